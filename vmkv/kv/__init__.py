@@ -1,0 +1,61 @@
+"""KV cache managers: virtual (vAttention) and paged (PagedAttention) behind one interface."""
+
+from __future__ import annotations
+
+from vmkv.config import CacheConfig
+from vmkv.kv.base import KVCacheManager, KVUsage
+from vmkv.kv.paged import PagedKVCache
+from vmkv.kv.spec import LAYOUTS, KVSpec, VirtualLayout
+from vmkv.kv.virtual import VirtualKVCache
+
+__all__ = [
+    "LAYOUTS",
+    "KVCacheManager",
+    "KVSpec",
+    "KVUsage",
+    "PagedKVCache",
+    "VirtualKVCache",
+    "VirtualLayout",
+    "create_kv_cache",
+]
+
+
+def create_kv_cache(
+    config: CacheConfig, spec: KVSpec, *, num_slots: int, max_model_len: int, device: str = "cpu"
+) -> KVCacheManager:
+    """Build the manager ``config.kv_mode`` asks for, with its backend and physical budget.
+
+    Raises ValueError when the budget holds less than one page or block, or the page size does
+    not suit the backend.
+    """
+    if config.kv_mode == "paged":
+        block_bytes = config.block_size * spec.bytes_per_token
+        num_blocks = config.kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds no block of "
+                             f"{block_bytes} B")
+        return PagedKVCache(spec, num_blocks=num_blocks, block_size=config.block_size,
+                            max_model_len=max_model_len, device=device)
+
+    from vmkv.memory import PagePool, create_backend, default_run_budget
+
+    probe = create_backend(device, config.page_size, 1)  # validates and resolves the page size
+    page_size = probe.page_size
+    probe.close()
+    num_pages = config.kv_cache_bytes // page_size
+    layout = VirtualLayout(config.layout, spec, page_size, max_model_len)
+    if num_pages < layout.num_regions:
+        raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds fewer than one page "
+                         f"of {page_size} B per region ({layout.num_regions} regions)")
+    backend = create_backend(device, page_size, num_pages)
+    idle_pages = None if config.max_idle_bytes is None else config.max_idle_bytes // page_size
+    pool = PagePool(
+        backend,
+        num_pages,
+        precreate=num_pages if config.precreate else 0,
+        max_idle_pages=idle_pages,
+        max_runs=default_run_budget(backend),
+    )
+    return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
+                          layout=config.layout, premap_pages=config.premap_pages,
+                          max_idle_pages=idle_pages)

@@ -1,0 +1,123 @@
+"""The KV cache manager contract shared by the virtual (vAttention) and paged modes.
+
+The scheduler talks only to this interface: it asks for room for N more tokens of a request and
+gets ``True`` or ``False`` ("cannot": the scheduler decides whether to preempt). Neither answer
+leaves partial state behind. Attention backends ask the mode-specific subclass for the tensors
+and per-request addressing (slot ids or block tables).
+
+    request r:  | < num_tokens(r): room already allocated > | < allocate(r, n): n more > |
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vmkv.kv.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of KV memory use; all byte counts are physical unless named ``virt_``.
+
+    ``bytes_in_use`` counts memory that live requests' tokens need (shared pages or blocks once).
+    ``bytes_held`` adds what the manager keeps mapped for reuse beyond that (deferred slots,
+    pre-mapped tail pages); ``bytes_created`` adds idle pool pages not yet returned to the OS.
+    """
+
+    num_requests: int
+    num_tokens: int
+    capacity_bytes: int
+    bytes_in_use: int
+    bytes_held: int
+    bytes_created: int
+    token_bytes: int  # bytes the live tokens themselves occupy (the useful part)
+    virt_reserved_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        """Share of the capacity in use by live requests (vLLM's ``kv_cache_usage_perc``)."""
+        return self.bytes_in_use / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def useful_fraction(self) -> float:
+        """Share of the memory in use that holds live tokens' K/V."""
+        return self.token_bytes / self.bytes_in_use if self.bytes_in_use else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "fraction": self.fraction, "useful_fraction": self.useful_fraction}
+
+
+class KVCacheManager(ABC):
+    """Owns the KV memory of all requests of one engine.
+
+    Invariants: a request's room only grows until :meth:`free`; ``allocate`` and ``fork`` are
+    all-or-nothing; after every request is freed nothing is held but reusable capacity.
+    """
+
+    #: "virtual" or "paged"
+    kv_mode: str
+    spec: KVSpec
+    max_model_len: int
+    device: torch.device
+
+    @abstractmethod
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request_id`` (registering it on
+        first use). Returns False, changing nothing, when memory or slots are short.
+
+        Raises ValueError when the request would exceed ``max_model_len``.
+        """
+
+    @abstractmethod
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        """Whether :meth:`allocate` with the same arguments would succeed now (no side effects)."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Release everything ``request_id`` holds; unknown ids raise KeyError."""
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """Make ``child_id`` share ``parent_id``'s tokens copy-on-write; False if it cannot."""
+
+    @abstractmethod
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens of room allocated to ``request_id`` so far (0 if unknown)."""
+
+    @abstractmethod
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V cache tensors of one layer (mode-specific shapes, see the subclasses)."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> KVUsage:
+        """Exact accounting of the memory this manager holds now."""
+
+    @property
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Tokens that fit in the physical budget (the startup report's "KV cache size")."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise AssertionError if internal accounting is inconsistent (tests call this)."""
+
+    def close(self) -> None:
+        """Release all memory; the manager is unusable afterwards."""
+
+    def has_request(self, request_id: str) -> bool:
+        return self.num_tokens(request_id) > 0 or request_id in self.request_ids()
+
+    @abstractmethod
+    def request_ids(self) -> list[str]:
+        """Requests currently holding memory."""
+
+    def _check_length(self, request_id: str, new_len: int) -> None:
+        if new_len > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r} would hold {new_len} tokens, over max_model_len "
+                f"({self.max_model_len})"
+            )

@@ -1,0 +1,206 @@
+"""Paged mode (PagedAttention): a block pool, per-request block tables, copy-on-write.
+
+    kv cache:  [layer, k|v, num_blocks, block_size, kv_head, head_dim]   (plain device memory)
+    request r: block_table = [7, 1, 3]   token t lives in block_table[t // bs], row t % bs
+
+Blocks are reference counted; ``fork`` shares every block of the parent. Writing into a shared
+*partial* last block copies it once (the writer gets a private copy, the other keeps the
+original), exactly as in the seed's ``append_token``; full shared blocks are never written, so
+they are never copied. Free blocks form a FIFO queue: allocation takes from the head, release
+appends at the tail, a request's blocks in reverse order (its deepest blocks are reused first).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from vmkv.kv.base import KVCacheManager, KVUsage
+from vmkv.kv.spec import KVSpec
+
+
+class BlockPool:
+    """``num_blocks`` fixed-size blocks with reference counts and a FIFO free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.peak_in_use = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self, num: int) -> list[int] | None:
+        """Take ``num`` blocks (``ref_cnt`` 1 each) from the head of the queue, or None."""
+        if num > len(self.free_queue):
+            return None
+        blocks = [self.free_queue.popleft() for _ in range(num)]
+        for b in blocks:
+            self.ref_cnt[b] = 1
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+        return blocks
+
+    def retain(self, block: int) -> None:
+        if self.ref_cnt[block] <= 0:
+            raise ValueError(f"retain of free block {block}")
+        self.ref_cnt[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.ref_cnt[block] <= 0:
+            raise ValueError(f"release of free block {block} (double free)")
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free_queue.append(block)
+
+
+class PagedKVCache(KVCacheManager):
+    """Block-table KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    kv_mode = "paged"
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.spec = spec
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.pool = BlockPool(num_blocks)
+        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.block_tables: dict[str, list[int]] = {}
+        self._num_tokens: dict[str, int] = {}
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.spec.bytes_per_token
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- contract -----------------------------------------------------------------------------
+    def num_tokens(self, request_id: str) -> int:
+        return self._num_tokens.get(request_id, 0)
+
+    def request_ids(self) -> list[str]:
+        return list(self.block_tables)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.block_tables[request_id]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_blocks, block_size, kv_head, head_dim]`` K and V of ``layer``."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def _plan(self, request_id: str, num_new_tokens: int) -> tuple[int, bool]:
+        """(new blocks needed, whether the last block must be copied first)."""
+        cur = self.num_tokens(request_id)
+        self._check_length(request_id, cur + num_new_tokens)
+        table = self.block_tables.get(request_id, [])
+        new_blocks = self._blocks_for(cur + num_new_tokens) - len(table)
+        cow = (
+            num_new_tokens > 0
+            and cur % self.block_size != 0
+            and self.pool.ref_cnt[table[-1]] > 1
+        )
+        return new_blocks, cow
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        new_blocks, cow = self._plan(request_id, num_new_tokens)
+        return new_blocks + cow <= self.pool.num_free
+
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        new_blocks, cow = self._plan(request_id, num_new_tokens)
+        got = self.pool.allocate(new_blocks + cow)
+        if got is None:
+            return False
+        table = self.block_tables.setdefault(request_id, [])
+        if cow:
+            self._copy_on_write(table, got.pop(0))
+        table.extend(got)
+        self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
+        return True
+
+    def _copy_on_write(self, table: list[int], new_block: int) -> None:
+        old = table[-1]
+        self.kv[:, :, new_block].copy_(self.kv[:, :, old])  # the one partial block, all layers
+        self.pool.release(old)
+        table[-1] = new_block
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        if child_id in self.block_tables:
+            raise ValueError(f"fork target {child_id!r} already holds KV")
+        table = self.block_tables[parent_id]
+        for block in table:
+            self.pool.retain(block)
+        self.block_tables[child_id] = list(table)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        return True
+
+    def free(self, request_id: str) -> None:
+        table = self.block_tables.pop(request_id)
+        del self._num_tokens[request_id]
+        for block in reversed(table):  # all or nothing; tail blocks reach the queue first
+            self.pool.release(block)
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def usage(self) -> KVUsage:
+        in_use = self.pool.num_in_use * self.block_bytes
+        capacity = self.pool.num_blocks * self.block_bytes
+        tokens = sum(self._num_tokens.values())
+        return KVUsage(
+            num_requests=len(self.block_tables),
+            num_tokens=tokens,
+            capacity_bytes=capacity,
+            bytes_in_use=in_use,
+            bytes_held=in_use,
+            bytes_created=capacity,
+            token_bytes=self._unique_token_bytes(),
+            virt_reserved_bytes=0,
+        )
+
+    def _unique_token_bytes(self) -> int:
+        """Bytes of live token rows, counting rows of a block shared by forks once."""
+        filled: dict[int, int] = {}
+        for rid, table in self.block_tables.items():
+            n = self._num_tokens[rid]
+            for i, block in enumerate(table):
+                rows = min(self.block_size, n - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), rows)
+        return sum(filled.values()) * self.spec.bytes_per_token
+
+    def check(self) -> None:
+        refs = [0] * self.pool.num_blocks
+        for rid, table in self.block_tables.items():
+            assert len(table) == self._blocks_for(self._num_tokens[rid]), rid
+            for block in table:
+                refs[block] += 1
+        assert refs == self.pool.ref_cnt, "block ref counts disagree with the block tables"
+        free = set(self.pool.free_queue)
+        assert len(free) == len(self.pool.free_queue), "a block is queued twice"
+        assert all((refs[b] == 0) == (b in free) for b in range(self.pool.num_blocks))

@@ -1,0 +1,123 @@
+"""What a KV cache must hold (per-token shapes) and how the virtual layouts lay it out.
+
+Virtual layouts (``[slot, token, ...]``: one fixed slot of ``slot_tokens`` per request):
+
+    per-layer   2*L regions, region 2*l+kv is [slot, token, kv_head, head_dim]
+                (one growth step maps a page in every region: 2*L maps)
+    all-layers  1 region [slot, token, layer, k|v, kv_head, head_dim]
+                (one growth step maps one page that covers a few tokens of every layer)
+
+Either way a layer's K (or V) handed to attention is a strided ``[slot, token, kv_head,
+head_dim]`` view of the same memory, never a copy. ``slot_tokens`` is ``max_model_len`` rounded
+up so that a slot is a whole number of pages (tokens may straddle page boundaries inside it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("all-layers", "per-layer")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Per-token KV shape of a model: ``num_layers`` x (K, V) x ``num_kv_heads`` x ``head_dim``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one layer's K (or V) for one token."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V over all layers for one token."""
+        return 2 * self.num_layers * self.head_bytes
+
+
+@dataclass(frozen=True)
+class VirtualLayout:
+    """Geometry of the virtual KV tensors: regions, bytes per token row, slot size."""
+
+    name: str
+    spec: KVSpec
+    page_size: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.name!r}")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+
+    @property
+    def num_regions(self) -> int:
+        return 2 * self.spec.num_layers if self.name == "per-layer" else 1
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one token occupies in one region."""
+        spec = self.spec
+        return spec.head_bytes if self.name == "per-layer" else spec.bytes_per_token
+
+    @property
+    def token_alignment(self) -> int:
+        """Smallest token count whose rows fill a whole number of pages."""
+        return math.lcm(self.row_bytes, self.page_size) // self.row_bytes
+
+    @property
+    def slot_tokens(self) -> int:
+        """Tokens per slot: ``max_model_len`` rounded up to :attr:`token_alignment`."""
+        align = self.token_alignment
+        return -(-self.max_model_len // align) * align
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_tokens * self.row_bytes
+
+    @property
+    def slot_pages(self) -> int:
+        return self.slot_bytes // self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages (per region) a slot needs mapped to hold ``num_tokens`` tokens."""
+        return -(-num_tokens * self.row_bytes // self.page_size)
+
+    def tokens_in(self, num_pages: int) -> int:
+        """Whole tokens that ``num_pages`` mapped pages (per region) hold."""
+        return num_pages * self.page_size // self.row_bytes
+
+    def first_page_of(self, token: int) -> int:
+        """Index (within the slot) of the page holding the first byte of ``token``."""
+        return token * self.row_bytes // self.page_size
+
+    def layer_views(
+        self, regions: list[torch.Tensor], num_slots: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) views ``[slot, token, kv_head, head_dim]`` over the region bytes."""
+        spec, t = self.spec, self.slot_tokens
+        h, d = spec.num_kv_heads, spec.head_dim
+        typed = [r.view(spec.dtype) for r in regions]
+        if self.name == "per-layer":
+            shaped = [r.view(num_slots, t, h, d) for r in typed]
+            return [(shaped[2 * i], shaped[2 * i + 1]) for i in range(spec.num_layers)]
+        kv = typed[0].view(num_slots, t, spec.num_layers, 2, h, d)
+        return [(kv[:, :, i, 0], kv[:, :, i, 1]) for i in range(spec.num_layers)]

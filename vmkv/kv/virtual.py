@@ -1,0 +1,352 @@
+"""Virtual mode (vAttention): one contiguous virtual slot per request, pages mapped as it grows.
+
+    region (one per layout tensor), slot s = pages [s*slot_pages, (s+1)*slot_pages):
+    | mapped: pages_for(len) | mapped surplus (deferred / pre-mapped) | PROT_NONE ... slot end |
+
+Invariants:
+  * a slot's mapped pages are always a prefix ``[0, mapped[s])`` of the slot, identical in
+    number in every region;
+  * a running request's slot has at least ``pages_for(num_tokens)`` pages mapped, so attention
+    may read ``[slot, :num_tokens]`` and nothing past the mapped prefix;
+  * a physical page mapped more than once is shared by forks at the same page index of the
+    same region; the first write into it copies it (copy-on-write);
+  * pages are unmapped only after ``backend.synchronize()`` (no queued kernel can read them).
+
+Latency hiding: the pool may be pre-created; growth maps ``premap_pages`` extra pages when free
+pages exist (fewer, larger map calls); finished slots keep their pages (deferred reclamation)
+and a new request takes the idle slot that fits best, often needing no map call at all. Pages
+kept this way are reclaimed on demand, and beyond ``max_idle_pages`` eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vmkv.kv.base import KVCacheManager, KVUsage
+from vmkv.kv.spec import KVSpec, VirtualLayout
+from vmkv.memory.base import MappingBudgetExceeded
+from vmkv.memory.pool import PagePool
+from vmkv.memory.region import UNMAPPED, VirtualRegion
+
+
+class VirtualKVCache(KVCacheManager):
+    """vAttention-style KV cache over a :class:`PagePool` (host or CUDA pages)."""
+
+    kv_mode = "virtual"
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        pool: PagePool,
+        num_slots: int,
+        max_model_len: int,
+        layout: str = "all-layers",
+        premap_pages: int = 0,
+        max_idle_pages: int | None = None,
+    ) -> None:
+        """Args:
+        spec: per-token KV shape.
+        pool: physical pages (its page size sets the layout's page size).
+        num_slots: the most requests that can hold KV at once.
+        max_model_len: the longest request (slots are this long, rounded up to whole pages).
+        layout: "all-layers" or "per-layer" (see :mod:`vmkv.kv.spec`).
+        premap_pages: extra pages (per region) mapped ahead of need when the pool has them free.
+        max_idle_pages: pages idle slots may keep mapped for reuse (None: no limit; they are
+            reclaimed on demand either way).
+        """
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if premap_pages < 0:
+            raise ValueError(f"premap_pages must be >= 0, got {premap_pages}")
+        self.spec = spec
+        self.pool = pool
+        self.backend = pool.backend
+        self.device = self.backend.device
+        self.layout = VirtualLayout(layout, spec, pool.page_size, max_model_len)
+        self.max_model_len = max_model_len
+        self.num_slots = num_slots
+        self.premap_pages = premap_pages
+        self.max_idle_pages = max_idle_pages
+        slot_bytes = self.layout.slot_bytes
+        if slot_bytes * num_slots >= 1 << 46:
+            raise ValueError(f"{num_slots} slots of {slot_bytes} B exceed the 64 TiB of virtual "
+                             "address space vmkv allows itself; lower max_num_seqs or max_model_len")
+        self.regions = [
+            VirtualRegion(pool, num_slots * slot_bytes, name=f"kv-region-{i}")
+            for i in range(self.layout.num_regions)
+        ]
+        self._layer_views = self.layout.layer_views(
+            [r.as_bytes() for r in self.regions], num_slots
+        )
+        self._mapped = [0] * num_slots
+        self._idle_slots = set(range(num_slots))
+        self._slot_of: dict[str, int] = {}
+        self._num_tokens: dict[str, int] = {}
+
+    # -- addressing ---------------------------------------------------------------------------
+    def slot(self, request_id: str) -> int:
+        return self._slot_of[request_id]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[slot, slot_tokens, kv_head, head_dim]`` strided K and V views of ``layer``."""
+        return self._layer_views[layer]
+
+    def num_tokens(self, request_id: str) -> int:
+        return self._num_tokens.get(request_id, 0)
+
+    def request_ids(self) -> list[str]:
+        return list(self._slot_of)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.layout.tokens_in(self.pool.num_pages // len(self.regions))
+
+    def mapped_pages(self, slot: int) -> int:
+        return self._mapped[slot]
+
+    def _first_va_page(self, slot: int) -> int:
+        return slot * self.layout.slot_pages
+
+    # -- planning -----------------------------------------------------------------------------
+    def _pick_slot(self, need: int) -> int | None:
+        """Best fit among idle slots: the fewest mapped pages that still cover ``need``, else
+        the most mapped pages (fewest new maps)."""
+        if not self._idle_slots:
+            return None
+        covering = [s for s in self._idle_slots if self._mapped[s] >= need]
+        if covering:
+            return min(covering, key=lambda s: (self._mapped[s], s))
+        return max(self._idle_slots, key=lambda s: (self._mapped[s], -s))
+
+    def _plan(self, request_id: str, num_new_tokens: int) -> tuple[int | None, int, list[int]]:
+        """(slot, pages to grow per region, slot page indices to copy before writing)."""
+        cur = self.num_tokens(request_id)
+        new_len = cur + num_new_tokens
+        self._check_length(request_id, new_len)
+        need = self.layout.pages_for(new_len)
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            slot = self._pick_slot(need)
+            if slot is None:
+                return None, 0, []
+        mapped = self._mapped[slot]
+        cow = []
+        if num_new_tokens:
+            first = self._first_va_page(slot)
+            region = self.regions[0]
+            for p in range(self.layout.first_page_of(cur), min(need, mapped)):
+                if self.pool.is_shared(int(region.page_at[first + p])):
+                    cow.append(p)
+        return slot, max(0, need - mapped), cow
+
+    def _reclaimable(self, exclude: int) -> int:
+        """Pages (all regions) that unmapping idle slots and surplus tails would free."""
+        total = sum(self._mapped[s] for s in self._idle_slots if s != exclude)
+        for rid, slot in self._slot_of.items():
+            if slot != exclude:
+                total += self._mapped[slot] - self.layout.pages_for(self._num_tokens[rid])
+        return total * len(self.regions)
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        slot, grow, cow = self._plan(request_id, num_new_tokens)
+        if slot is None:
+            return False
+        need = (grow + len(cow)) * len(self.regions)
+        return need <= self.pool.num_free + self._reclaimable(slot)
+
+    # -- growth -------------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        slot, grow, cow = self._plan(request_id, num_new_tokens)
+        if slot is None:
+            return False
+        regions = len(self.regions)
+        need = (grow + len(cow)) * regions
+        if need > self.pool.num_free:
+            self._reclaim(need - self.pool.num_free, exclude=slot)
+            if need > self.pool.num_free:
+                return False
+        if grow:
+            extra = min(self.premap_pages, self.layout.slot_pages - self._mapped[slot] - grow,
+                        (self.pool.num_free - need) // regions)
+            if not self._grow(slot, grow + max(0, extra)) and not (
+                extra > 0 and self._grow(slot, grow)
+            ):
+                return False
+        for page in cow:
+            self._copy_on_write(slot, page)
+        self._slot_of[request_id] = slot
+        self._idle_slots.discard(slot)
+        self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
+        return True
+
+    def _grow(self, slot: int, num: int) -> bool:
+        """Map ``num`` more pages at the end of ``slot``'s prefix in every region."""
+        va_page = self._first_va_page(slot) + self._mapped[slot]
+        done: list[VirtualRegion] = []
+        try:
+            for region in self.regions:
+                if region.map_new(va_page, num) is None:
+                    raise MappingBudgetExceeded("pool ran short while growing")
+                done.append(region)
+        except MappingBudgetExceeded:
+            for region in done:  # all or nothing across regions
+                region.unmap(va_page, num)
+            return False
+        self._mapped[slot] += num
+        return True
+
+    def _copy_on_write(self, slot: int, page: int) -> None:
+        """Give ``slot`` a private copy of its shared page ``page`` in every region."""
+        va_page = self._first_va_page(slot) + page
+        ps = self.pool.page_size
+        for region in self.regions:
+            data = region.as_bytes()[va_page * ps : (va_page + 1) * ps]
+            saved = data.clone()
+            (new_page,) = self.pool.allocate(1)  # room was checked by the caller
+            self.backend.synchronize()  # the clone (and any reader) must finish before remap
+            region.replace(va_page, new_page)
+            data.copy_(saved)
+
+    # -- shrinking ----------------------------------------------------------------------------
+    def _unmap_tail(self, slot: int, num: int) -> None:
+        """Unmap the last ``num`` mapped pages of ``slot`` in every region."""
+        if num <= 0:
+            return
+        self.backend.synchronize()
+        self._mapped[slot] -= num
+        va_page = self._first_va_page(slot) + self._mapped[slot]
+        for region in self.regions:
+            region.unmap(va_page, num)
+
+    def _reclaim(self, pages_wanted: int, exclude: int) -> None:
+        """Unmap idle slots (largest first), then surplus tails of running slots."""
+        regions = len(self.regions)
+        for slot in sorted(self._idle_slots, key=lambda s: -self._mapped[s]):
+            if pages_wanted <= 0:
+                return
+            if slot != exclude and self._mapped[slot]:
+                take = min(self._mapped[slot], -(-pages_wanted // regions))
+                self._unmap_tail(slot, take)
+                pages_wanted -= take * regions
+        for rid, slot in self._slot_of.items():
+            if pages_wanted <= 0:
+                return
+            surplus = self._mapped[slot] - self.layout.pages_for(self._num_tokens[rid])
+            if slot != exclude and surplus > 0:
+                take = min(surplus, -(-pages_wanted // regions))
+                self._unmap_tail(slot, take)
+                pages_wanted -= take * regions
+
+    def _trim_idle(self) -> None:
+        """Keep at most ``max_idle_pages`` mapped in idle slots; let the pool trim the rest."""
+        if self.max_idle_pages is not None:
+            idle = sum(self._mapped[s] for s in self._idle_slots) * len(self.regions)
+            if idle > self.max_idle_pages:
+                self._reclaim(idle - self.max_idle_pages, exclude=-1)
+        self.pool.trim()
+
+    def free(self, request_id: str) -> None:
+        slot = self._slot_of.pop(request_id)
+        del self._num_tokens[request_id]
+        first = self._first_va_page(slot)
+        shared = any(
+            self.pool.is_shared(int(p))
+            for p in self.regions[0].page_at[first : first + self._mapped[slot]]
+        )
+        if shared:  # keep no shared page in an idle slot: its owner would copy it needlessly
+            self._unmap_tail(slot, self._mapped[slot])
+        self._idle_slots.add(slot)
+        self._trim_idle()
+
+    # -- sharing ------------------------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        if child_id in self._slot_of:
+            raise ValueError(f"fork target {child_id!r} already holds KV")
+        parent_slot = self._slot_of[parent_id]
+        length = self._num_tokens[parent_id]
+        share = self.layout.pages_for(length)
+        idle = [s for s in self._idle_slots]
+        if not idle:
+            return False
+        slot = min(idle, key=lambda s: (self._mapped[s], s))
+        own = self._mapped[slot]
+        if own:  # the child's slot must be empty where the parent's pages go
+            self._unmap_tail(slot, own)
+        src, dst = self._first_va_page(parent_slot), self._first_va_page(slot)
+        done: list[VirtualRegion] = []
+        try:
+            for region in self.regions:
+                region.map_shared(dst, [int(p) for p in region.page_at[src : src + share]])
+                done.append(region)
+        except MappingBudgetExceeded:
+            for region in done:
+                region.unmap(dst, share)
+            return False
+        self._mapped[slot] = share
+        self._slot_of[child_id] = slot
+        self._idle_slots.discard(slot)
+        self._num_tokens[child_id] = length
+        return True
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def usage(self) -> KVUsage:
+        ps, row = self.pool.page_size, self.layout.row_bytes
+        useful = np.zeros(self.pool.num_pages, dtype=np.int64)  # live bytes per physical page
+        for rid, slot in self._slot_of.items():
+            n = self._num_tokens[rid]
+            need = self.layout.pages_for(n)
+            if not need:
+                continue
+            live = np.minimum(ps, n * row - np.arange(need) * ps)
+            first = self._first_va_page(slot)
+            for region in self.regions:
+                pages = region.page_at[first : first + need]
+                np.maximum.at(useful, pages, live)
+        return KVUsage(
+            num_requests=len(self._slot_of),
+            num_tokens=sum(self._num_tokens.values()),
+            capacity_bytes=self.pool.num_pages * ps,
+            bytes_in_use=int(np.count_nonzero(useful)) * ps,
+            bytes_held=self.pool.num_in_use * ps,
+            bytes_created=self.pool.num_created * ps,
+            token_bytes=int(useful.sum()),
+            virt_reserved_bytes=sum(r.nbytes for r in self.regions),
+        )
+
+    def check(self) -> None:
+        pool, layout = self.pool, self.layout
+        pool.check()
+        assert set(self._slot_of.values()).isdisjoint(self._idle_slots)
+        assert len(self._slot_of) + len(self._idle_slots) == self.num_slots
+        assert len(set(self._slot_of.values())) == len(self._slot_of), "slot given twice"
+        for rid, slot in self._slot_of.items():
+            assert self._mapped[slot] >= layout.pages_for(self._num_tokens[rid]), rid
+        refs = np.zeros(pool.num_pages, dtype=np.int64)
+        where: dict[int, tuple[int, int]] = {}
+        runs = 0
+        for r, region in enumerate(self.regions):
+            table = region.page_at.reshape(self.num_slots, layout.slot_pages)
+            for slot in range(self.num_slots):
+                m = self._mapped[slot]
+                assert (table[slot, :m] != UNMAPPED).all(), f"hole in slot {slot} region {r}"
+                assert (table[slot, m:] == UNMAPPED).all(), f"stray page in slot {slot}"
+                for p, page in enumerate(table[slot, :m]):
+                    # a page mapped twice must be a fork share: same region, same page index
+                    assert where.setdefault(int(page), (r, p)) == (r, p), f"page {page} aliased"
+            mapped = region.page_at[region.page_at != UNMAPPED]
+            np.add.at(refs, mapped, 1)
+            assert region.num_mapped == len(mapped)
+            runs += region.num_runs
+        assert refs.tolist() == pool.ref_cnt, "page ref counts disagree with the mappings"
+        assert runs == pool.num_runs
+
+    def close(self) -> None:
+        for rid in list(self._slot_of):
+            self.free(rid)
+        self._layer_views = []
+        for region in self.regions:
+            region.close()
+        self.pool.release_all_idle()

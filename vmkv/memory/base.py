@@ -1,0 +1,102 @@
+"""The memory backend contract: reserve virtual addresses, create physical pages, map them.
+
+A backend is the thin layer over one operating-system or driver API (Linux mmap + memfd on the
+host, CUDA VMM on the GPU). It knows nothing about requests or KV caches; it only does what it is
+told and times it. Bookkeeping (which page is mapped where, reference counts) lives above it in
+:class:`~vmkv.memory.pool.PagePool` and :class:`~vmkv.memory.region.VirtualRegion`, so there is
+exactly one source of truth for mappings.
+
+Page ids are dense integers ``0 .. max_pages-1``. Pages ``i`` and ``i+1`` are *physically
+adjacent* on backends where that matters (the host pool is one memfd), which is what lets a run
+of adjacent pages be mapped with one call and occupy one kernel VMA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from vmkv.memory.stats import MemoryStats
+
+
+class VmmError(RuntimeError):
+    """Base class for errors raised by the memory layer (an OS or driver call failed)."""
+
+
+class BackendUnavailable(VmmError):
+    """The backend cannot run here (no driver, no GPU, missing bindings)."""
+
+
+class MappingBudgetExceeded(VmmError):
+    """A mapping would exceed a budget (host: the VMA budget under ``vm.max_map_count``).
+
+    KV managers treat it like an out-of-pages condition: they answer "cannot" so the scheduler
+    can preempt, instead of letting the kernel refuse the mapping later.
+    """
+
+
+class MemoryBackend(ABC):
+    """Reserve / create / map / unmap / release over one API; all sizes in bytes.
+
+    Invariants callers must keep (the backend does not check them, the layers above do):
+      * ``map_run`` only onto reserved addresses that are currently unmapped;
+      * ``unmap_run`` exactly the pages mapped earlier (CUDA cannot unmap a sub-range of one
+        map call, so runs are mapped page by page there);
+      * ``unmap_run`` only after every kernel that may read the range has finished
+        (:meth:`synchronize` first on asynchronous devices);
+      * ``release_page`` only for pages mapped nowhere.
+    """
+
+    #: short name used in logs, stats and the CLI ("host", "cuda")
+    name: str
+    #: bytes per physical page; every size and offset handed to map/unmap is a multiple of it
+    page_size: int
+    #: the largest page id + 1 this backend can create
+    max_pages: int
+    #: torch device the mapped memory belongs to
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.stats = MemoryStats()
+
+    # -- virtual address space -------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` (a multiple of ``page_size``) of inaccessible VA; return its base."""
+
+    @abstractmethod
+    def free_reservation(self, base: int, nbytes: int) -> None:
+        """Give back a whole reservation; nothing may be mapped in it any more."""
+
+    # -- physical pages ----------------------------------------------------------------------
+    @abstractmethod
+    def create_page(self, page_id: int) -> None:
+        """Commit physical memory for ``page_id`` (CUDA ``cuMemCreate``; host ``fallocate``)."""
+
+    @abstractmethod
+    def release_page(self, page_id: int) -> None:
+        """Return ``page_id``'s memory to the OS/driver; it must be mapped nowhere."""
+
+    # -- mapping -----------------------------------------------------------------------------
+    @abstractmethod
+    def map_run(self, va: int, first_page: int, num_pages: int) -> None:
+        """Map pages ``first_page .. first_page+num_pages-1`` at ``va`` with read/write access."""
+
+    @abstractmethod
+    def unmap_run(self, va: int, num_pages: int) -> None:
+        """Make ``num_pages`` pages at ``va`` inaccessible again; the reservation stays."""
+
+    # -- access ------------------------------------------------------------------------------
+    @abstractmethod
+    def as_tensor(self, base: int, nbytes: int) -> torch.Tensor:
+        """A zero-copy ``uint8`` tensor over ``[base, base+nbytes)`` on :attr:`device`.
+
+        Only mapped parts may be touched; an op over the whole tensor faults.
+        """
+
+    def synchronize(self) -> None:
+        """Wait until no queued kernel can still read memory about to be unmapped."""
+
+    def close(self) -> None:
+        """Release everything the backend itself holds (pool file, handles)."""

@@ -1,0 +1,197 @@
+"""Physical page pool: lazily created pages, reference counts, elastic release.
+
+Every page is in exactly one state:
+
+    uncreated --allocate--> in use (ref_cnt >= 1) --last release--> idle --trim--> uncreated
+                               ^                                       |
+                               +---------------allocate----------------+
+
+``ref_cnt`` counts the virtual mappings of a page (see :class:`~vmkv.memory.region.VirtualRegion`)
+plus explicit holders (a prefix cache, say). A page mapped at two virtual addresses has
+``ref_cnt == 2``: that is how sharing and copy-on-write are expressed.
+
+Allocation prefers the page after ``hint`` (physically adjacent to what the caller mapped last),
+then the lowest idle page, then the lowest uncreated one, so growing slots get long physically
+contiguous runs (one VMA each on the host) and created memory stays packed at low ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from vmkv.memory.base import MemoryBackend
+
+
+class PagePool:
+    """Pages ``0 .. num_pages-1`` of one backend.
+
+    Args:
+        backend: the memory backend that creates, maps and releases the pages.
+        num_pages: the cap on pages in use at once (the physical KV budget).
+        precreate: pages created at start-up (CUDA: pre-created pool, so the hot path only maps).
+        max_idle_pages: idle (created, unreferenced) pages kept for reuse; beyond this low-water
+            mark :meth:`trim` releases the highest ones, so memory held tracks live data.
+            ``None`` keeps every created page.
+        max_runs: budget on mapped runs over all regions (host VMAs); ``None`` for no budget.
+    """
+
+    def __init__(
+        self,
+        backend: MemoryBackend,
+        num_pages: int,
+        *,
+        precreate: int = 0,
+        max_idle_pages: int | None = None,
+        max_runs: int | None = None,
+    ) -> None:
+        if not 0 < num_pages <= backend.max_pages:
+            raise ValueError(
+                f"num_pages must be in 1..{backend.max_pages} for this backend, got {num_pages}"
+            )
+        if not 0 <= precreate <= num_pages:
+            raise ValueError(f"precreate must be in 0..{num_pages}, got {precreate}")
+        if max_idle_pages is not None and max_idle_pages < 0:
+            raise ValueError(f"max_idle_pages must be >= 0 or None, got {max_idle_pages}")
+        self.backend = backend
+        self.page_size = backend.page_size
+        self.num_pages = num_pages
+        self.max_idle_pages = max_idle_pages
+        self.max_runs = max_runs
+        self.num_runs = 0  # maintained by the regions
+        self.ref_cnt = [0] * num_pages
+        self._created = bytearray(num_pages)
+        self._idle: set[int] = set()
+        self._idle_heap: list[int] = []
+        self._uncreated: set[int] = set(range(num_pages))
+        self._uncreated_heap: list[int] = list(range(num_pages))
+        self.num_in_use = 0
+        self.peak_in_use = 0
+        for page in range(precreate):
+            self._create(page)
+            self._uncreated.discard(page)
+            self._make_idle(page)
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages that :meth:`allocate` can hand out now (idle + uncreated)."""
+        return self.num_pages - self.num_in_use
+
+    @property
+    def num_created(self) -> int:
+        return self.num_in_use + len(self._idle)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def is_shared(self, page: int) -> bool:
+        return self.ref_cnt[page] > 1
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, num: int, hint: int | None = None) -> list[int] | None:
+        """Take ``num`` free pages (``ref_cnt`` 1 each, owned by the caller) or None if short.
+
+        Pages come in physically adjacent runs where possible, starting at ``hint``.
+        """
+        if num > self.num_free:
+            return None
+        pages: list[int] = []
+        nxt = hint
+        try:
+            while len(pages) < num:
+                if nxt is None or not self._is_free(nxt):
+                    nxt = self._lowest_free()
+                self._take(nxt)
+                pages.append(nxt)
+                nxt += 1
+        except BaseException:
+            for page in pages:  # all or nothing, even when the backend fails midway
+                self.release(page)
+            raise
+        return pages
+
+    def retain(self, page: int) -> None:
+        """Add a reference to a page already in use."""
+        if self.ref_cnt[page] <= 0:
+            raise ValueError(f"retain of page {page} which is not in use")
+        self.ref_cnt[page] += 1
+
+    def release(self, page: int) -> None:
+        """Drop a reference; the last one makes the page idle (still created, reusable)."""
+        cnt = self.ref_cnt[page]
+        if cnt <= 0:
+            raise ValueError(f"release of page {page} which is not in use (double free)")
+        self.ref_cnt[page] = cnt - 1
+        if cnt == 1:
+            self.num_in_use -= 1
+            self._make_idle(page)
+
+    def trim(self) -> int:
+        """Release idle pages beyond ``max_idle_pages`` (highest ids first); return how many."""
+        if self.max_idle_pages is None:
+            return 0
+        excess = len(self._idle) - self.max_idle_pages
+        if excess <= 0:
+            return 0
+        for page in heapq.nlargest(excess, self._idle):
+            self._idle.discard(page)
+            self.backend.release_page(page)
+            self._created[page] = 0
+            self._uncreated.add(page)
+            heapq.heappush(self._uncreated_heap, page)
+        return excess
+
+    def release_all_idle(self) -> None:
+        """Return every idle page to the backend (used on shutdown and by tests)."""
+        keep, self.max_idle_pages = self.max_idle_pages, 0
+        self.trim()
+        self.max_idle_pages = keep
+
+    # -- internals ----------------------------------------------------------------------------
+    def _is_free(self, page: int) -> bool:
+        return page in self._idle or page in self._uncreated
+
+    def _lowest_free(self) -> int:
+        while self._idle_heap:
+            page = heapq.heappop(self._idle_heap)
+            if page in self._idle:
+                return page
+        while self._uncreated_heap:
+            page = heapq.heappop(self._uncreated_heap)
+            if page in self._uncreated:
+                return page
+        raise AssertionError("page pool accounting is broken: no free page although num_free > 0")
+
+    def _take(self, page: int) -> None:
+        if page in self._idle:
+            self._idle.discard(page)
+        else:
+            try:
+                self._create(page)
+            except BaseException:
+                heapq.heappush(self._uncreated_heap, page)  # popped by _lowest_free
+                raise
+            self._uncreated.discard(page)
+        self.ref_cnt[page] = 1
+        self.num_in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+
+    def _create(self, page: int) -> None:
+        self.backend.create_page(page)
+        self._created[page] = 1
+
+    def _make_idle(self, page: int) -> None:
+        self._idle.add(page)
+        heapq.heappush(self._idle_heap, page)
+
+    def check(self) -> None:
+        """Raise AssertionError if the pool's own accounting is inconsistent (tests)."""
+        in_use = [p for p, c in enumerate(self.ref_cnt) if c > 0]
+        assert len(in_use) == self.num_in_use, (len(in_use), self.num_in_use)
+        assert not self._idle & self._uncreated
+        assert all(self._created[p] for p in self._idle)
+        assert not any(self._created[p] for p in self._uncreated)
+        for p in in_use:
+            assert self._created[p] and p not in self._idle and p not in self._uncreated
+        assert len(in_use) + len(self._idle) + len(self._uncreated) == self.num_pages

@@ -1,0 +1,187 @@
+"""A reserved virtual range with pool pages mapped under it: the one table of mappings.
+
+    region: | page 0 | page 1 | page 2 | ... | page num_pages-1 |
+              phys 7   phys 8   -        ...    -                   (- = PROT_NONE / unmapped)
+
+Each mapping holds one reference on its physical page (``PagePool.ref_cnt``), so mapping the
+same physical page at two addresses (sharing, copy-on-write) is just two references. A *run* is
+a maximal stretch of mapped virtual pages whose physical ids are consecutive; on the host each
+run is one kernel VMA, so the pool's run budget keeps the process under ``vm.max_map_count``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vmkv.memory.base import MappingBudgetExceeded
+from vmkv.memory.pool import PagePool
+
+UNMAPPED = -1
+
+
+class VirtualRegion:
+    """``num_pages`` pages of reserved virtual address space over a :class:`PagePool`."""
+
+    def __init__(self, pool: PagePool, nbytes: int, name: str = "") -> None:
+        ps = pool.page_size
+        if nbytes <= 0 or nbytes % ps:
+            raise ValueError(
+                f"region size must be a positive multiple of the page size ({ps} B), got {nbytes}"
+            )
+        self.pool = pool
+        self.backend = pool.backend
+        self.name = name
+        self.nbytes = nbytes
+        self.num_pages = nbytes // ps
+        self.base = self.backend.reserve(nbytes)
+        self.page_at = np.full(self.num_pages, UNMAPPED, dtype=np.int64)  # va page -> phys page
+        self.num_mapped = 0
+        self.num_runs = 0
+        self._bytes: torch.Tensor | None = None
+
+    # -- views --------------------------------------------------------------------------------
+    def as_bytes(self) -> torch.Tensor:
+        """Zero-copy ``uint8`` tensor over the whole range (touch only mapped parts)."""
+        if self._bytes is None:
+            self._bytes = self.backend.as_tensor(self.base, self.nbytes)
+        return self._bytes
+
+    def va_of(self, va_page: int) -> int:
+        return self.base + va_page * self.pool.page_size
+
+    # -- mapping ------------------------------------------------------------------------------
+    def map_new(self, va_page: int, num: int) -> list[int] | None:
+        """Allocate ``num`` fresh pages and map them at ``va_page``; None if the pool is short.
+
+        Raises MappingBudgetExceeded (nothing changed) if the run budget would be exceeded.
+        """
+        if num == 0:
+            return []
+        self._check_unmapped(va_page, num)
+        prev = int(self.page_at[va_page - 1]) if va_page > 0 else UNMAPPED
+        hint = prev + 1 if prev != UNMAPPED else None  # continue the physical run to the left
+        pages = self.pool.allocate(num, hint)
+        if pages is None:
+            return None
+        try:
+            self._map(va_page, pages)
+        except BaseException:
+            for page in pages:
+                self.pool.release(page)
+            raise
+        return pages
+
+    def map_shared(self, va_page: int, pages: Sequence[int]) -> None:
+        """Map pages that are already in use elsewhere at ``va_page`` (one more reference each)."""
+        self._check_unmapped(va_page, len(pages))
+        self._map(va_page, list(pages))
+        for page in pages:
+            self.pool.retain(page)
+
+    def unmap(self, va_page: int, num: int) -> list[int]:
+        """Unmap ``num`` mapped pages at ``va_page``, drop their references; return their ids.
+
+        The caller must have synchronised the device if a queued kernel may read the range.
+        """
+        if num == 0:
+            return []
+        pages = self.page_at[va_page : va_page + num]
+        if len(pages) != num or (pages == UNMAPPED).any():
+            raise ValueError(f"{self.name}: unmap of pages {va_page}..{va_page + num - 1} "
+                             "which are not all mapped")
+        old = [int(p) for p in pages]
+        delta = self._runs_delta(va_page, num, None)
+        for start, first, count in _runs(va_page, old):
+            self.backend.unmap_run(self.va_of(start), count)
+            self.page_at[start : start + count] = UNMAPPED
+        self.num_mapped -= num
+        self._add_runs(delta)
+        for page in old:
+            self.pool.release(page)
+        return old
+
+    def replace(self, va_page: int, new_page: int) -> int:
+        """Point one mapped virtual page at ``new_page`` (already referenced by the caller,
+        whose reference the mapping takes over); return the old physical page, released."""
+        old = self.unmap(va_page, 1)[0]
+        self._map(va_page, [new_page])
+        return old
+
+    def close(self) -> None:
+        """Unmap everything and free the reservation."""
+        mapped = np.flatnonzero(self.page_at != UNMAPPED)
+        if len(mapped):
+            self.backend.synchronize()
+        for va_page in mapped:
+            self.unmap(int(va_page), 1)
+        self._bytes = None
+        self.backend.free_reservation(self.base, self.nbytes)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_unmapped(self, va_page: int, num: int) -> None:
+        if va_page < 0 or va_page + num > self.num_pages:
+            raise ValueError(f"{self.name}: pages {va_page}..{va_page + num - 1} are outside "
+                             f"the region of {self.num_pages} pages")
+        if (self.page_at[va_page : va_page + num] != UNMAPPED).any():
+            raise ValueError(f"{self.name}: pages {va_page}..{va_page + num - 1} are already "
+                             "(partly) mapped")
+
+    def _map(self, va_page: int, pages: list[int]) -> None:
+        delta = self._runs_delta(va_page, len(pages), pages)
+        budget = self.pool.max_runs
+        if budget is not None and delta > 0 and self.pool.num_runs + delta > budget:
+            raise MappingBudgetExceeded(
+                f"mapping {len(pages)} pages would need {self.pool.num_runs + delta} mapped runs "
+                f"(VMAs), over the budget of {budget}; use larger pages, the all-layers layout, "
+                "fewer slots, or raise vm.max_map_count"
+            )
+        done = 0
+        try:
+            for start, first, count in _runs(va_page, pages):
+                self.backend.map_run(self.va_of(start), first, count)
+                self.page_at[start : start + count] = np.arange(first, first + count)
+                done += count
+        except BaseException:
+            if done:  # undo the part that landed so the table matches the backend
+                for start, _, count in _runs(va_page, pages[:done]):
+                    self.backend.unmap_run(self.va_of(start), count)
+                self.page_at[va_page : va_page + done] = UNMAPPED
+            raise
+        self.num_mapped += len(pages)
+        self._add_runs(delta)
+
+    def _add_runs(self, delta: int) -> None:
+        self.num_runs += delta
+        self.pool.num_runs += delta
+
+    def _runs_delta(self, va_page: int, num: int, new: list[int] | None) -> int:
+        """Change in run count if ``[va_page, va_page+num)`` became ``new`` (None: unmapped)."""
+        lo, hi = max(va_page - 1, 0), min(va_page + num + 1, self.num_pages)
+        before = self.page_at[lo:hi]
+        after = before.copy()
+        after[va_page - lo : va_page - lo + num] = UNMAPPED if new is None else new
+        return _count_runs(after) - _count_runs(before)
+
+
+def _count_runs(pages: np.ndarray) -> int:
+    """Maximal stretches of mapped entries with consecutive physical ids."""
+    mapped = pages != UNMAPPED
+    if not mapped.any():
+        return 0
+    continues = mapped[1:] & mapped[:-1] & (pages[1:] == pages[:-1] + 1)
+    return int(mapped.sum() - continues.sum())
+
+
+def _runs(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split a page list into (va_page, first_phys_page, count) physically contiguous runs."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and page == runs[-1][1] + runs[-1][2]:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((va_page + i, page, 1))
+    return runs
