@@ -1,0 +1,40 @@
+"""Attention of one sequence's new tokens over its cached K/V with torch SDPA (any device).
+
+Used by the CPU backends of both modes; the difference between modes is only how the
+``[seq_len, kv_heads, head_dim]`` K/V arrive here (a strided view of a slot, or a gather).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``n`` new queries at positions ``context_len ..`` over ``k``/``v``.
+
+    Shapes: ``q [n, heads, D]``; ``k, v [context_len + n, kv_heads, D]`` (may be strided views);
+    returns ``[n, heads * D]``.
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq, D], views
+    if n == 1:
+        # decode: fold the query heads of a group into the query length (no mask needed)
+        qg = q.view(kv_heads, group, d)  # [kv_heads, group, D]
+        out = F.scaled_dot_product_attention(qg, kt, vt, scale=scale)
+        return out.reshape(1, heads * d)
+    qt = q.transpose(0, 1)  # [heads, n, D]
+    if context_len == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=group > 1)
+    else:
+        seq = context_len + n
+        # new token i (position context_len + i) sees positions 0 .. context_len + i
+        mask = torch.ones(n, seq, dtype=torch.bool, device=q.device).tril(context_len)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                             enable_gqa=group > 1)
+    return out.transpose(0, 1).reshape(n, heads * d)  # [n, heads*D]

@@ -1,0 +1,58 @@
+"""Virtual mode on CPU: SDPA straight on each request's strided view of its slot (no copies).
+
+A request in slot ``s`` with ``L`` tokens reads flat rows ``[s*T, s*T + L)`` of the layer view,
+``T = slot_tokens``: all mapped, nothing past ``L`` is touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vmkv.attention.base import AttentionBackend, AttentionMetadata
+from vmkv.attention.sdpa import attend_one
+from vmkv.kv.virtual import VirtualKVCache
+
+
+def flat_rows(starts: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor
+              ) -> torch.Tensor:
+    """Rows ``starts[i] + context_lens[i] + j`` for ``j < query_lens[i]``, concatenated."""
+    first = torch.repeat_interleave(starts + context_lens, query_lens)
+    offsets = torch.cumsum(query_lens, 0) - query_lens
+    within = torch.arange(int(query_lens.sum())) - torch.repeat_interleave(offsets, query_lens)
+    return first + within
+
+
+class VirtualSdpaBackend(AttentionBackend):
+    """Per-request SDPA over ``[slot, :len]`` views of the virtual cache."""
+
+    name = "virtual-sdpa"
+
+    def __init__(self, kv: VirtualKVCache) -> None:
+        self.kv = kv
+        self.slot_tokens = kv.layout.slot_tokens
+        # [slots * slot_tokens, kv_heads, D] views per layer (a slot is exactly T token rows)
+        self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
+                      for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
+
+    def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
+                ) -> AttentionMetadata:
+        starts = [self.kv.slot(rid) * self.slot_tokens for rid in request_ids]
+        write_rows = flat_rows(torch.tensor(starts), torch.tensor(context_lens),
+                               torch.tensor(query_lens))
+        seq_rows = [(s, c + q) for s, c, q in zip(starts, context_lens, query_lens, strict=True)]
+        return AttentionMetadata(list(request_ids), list(context_lens), list(query_lens),
+                                 write_rows, seq_rows, {})
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_flat, v_flat = self._flat[layer]
+        k_flat.index_copy_(0, meta.write_rows, k)
+        v_flat.index_copy_(0, meta.write_rows, v)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        pos = 0
+        for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
+                                           strict=True):
+            out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
+                                            v_flat[start : start + length], ctx, scale)
+            pos += n
+        return out
