@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vmkv.kv.spec import LAYOUTS
+LAYOUTS = ("all-layers", "per-layer")
 
 KV_MODES = ("virtual", "paged")
 

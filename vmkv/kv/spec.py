@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("all-layers", "per-layer")
+from vmkv.config import LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,176 @@
+"""Host backend and page pool: real mmap/memfd mappings, faults proven in child processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vmkv.memory import MappingBudgetExceeded, PagePool, VirtualRegion
+from vmkv.memory.host import OS_PAGE, HostMemoryBackend, current_vma_count
+
+PAGE = 64 * 1024
+
+
+@pytest.fixture
+def pool() -> PagePool:
+    backend = HostMemoryBackend(PAGE, 64)
+    yield PagePool(backend, 64)
+    backend.close()
+
+
+def test_map_write_read_unmap(pool: PagePool) -> None:
+    region = VirtualRegion(pool, 8 * PAGE)
+    pages = region.map_new(2, 3)
+    assert pages == [0, 1, 2]
+    data = region.as_bytes()
+    data[2 * PAGE : 5 * PAGE].fill_(7)
+    assert int(data[2 * PAGE : 5 * PAGE].sum()) == 7 * 3 * PAGE
+    assert region.unmap(2, 3) == [0, 1, 2]
+    assert pool.num_in_use == 0 and pool.num_idle == 3
+    region.close()
+    pool.check()
+
+
+def test_same_page_at_two_addresses_is_shared(pool: PagePool) -> None:
+    region = VirtualRegion(pool, 8 * PAGE)
+    (page,) = region.map_new(0, 1)
+    region.map_shared(3, [page])
+    assert pool.ref_cnt[page] == 2
+    data = region.as_bytes().view(torch.int32)
+    data[0] = 1234  # write through VA page 0 ...
+    assert int(data[3 * PAGE // 4]) == 1234  # ... is visible at VA page 3
+    region.unmap(0, 1)
+    assert pool.ref_cnt[page] == 1 and int(data[3 * PAGE // 4]) == 1234  # page survives
+    region.unmap(3, 1)
+    assert pool.ref_cnt[page] == 0
+    region.close()
+
+
+def test_create_and_release_commit_and_return_memory() -> None:
+    backend = HostMemoryBackend(PAGE, 16)
+    pool = PagePool(backend, 16, max_idle_pages=2)
+    region = VirtualRegion(pool, 16 * PAGE)
+    region.map_new(0, 10)
+    region.as_bytes()[: 10 * PAGE].fill_(1)
+    assert backend.file_bytes() == 10 * PAGE
+    region.unmap(0, 10)
+    assert pool.num_idle == 10 and backend.file_bytes() == 10 * PAGE  # unmapping frees nothing
+    assert pool.trim() == 8  # beyond the low-water mark of 2 idle pages
+    assert backend.file_bytes() == 2 * PAGE and pool.num_created == 2
+    assert backend.stats.ops["release"].calls == 8
+    region.close()
+    backend.close()
+
+
+def test_allocation_prefers_physically_adjacent_runs(pool: PagePool) -> None:
+    a = VirtualRegion(pool, 16 * PAGE, "a")
+    b = VirtualRegion(pool, 16 * PAGE, "b")
+    assert a.map_new(0, 2) == [0, 1]
+    assert b.map_new(0, 2) == [2, 3]
+    assert a.map_new(2, 2) == [4, 5]  # 2 was taken: lowest free, then adjacent
+    a.unmap(0, 4)  # frees 0, 1, 4, 5
+    assert b.map_new(2, 2) == [4, 5]  # continues b's run at 3 -> 4, 5
+    assert a.num_runs == 0 and b.num_runs == 1  # VA 0..3 -> phys 2..5: one run
+    a.close()
+    b.close()
+
+
+def test_run_count_matches_kernel_vmas(pool: PagePool) -> None:
+    region = VirtualRegion(pool, 32 * PAGE)
+    before = current_vma_count()
+    region.map_new(0, 8)  # one physically contiguous run
+    assert region.num_runs == 1
+    assert current_vma_count() - before <= 2  # the run, plus the PROT_NONE tail split off
+    region.map_shared(10, [3])  # a single page elsewhere: a second run
+    assert region.num_runs == 2
+    region.close()
+
+
+def test_run_budget_fails_cleanly() -> None:
+    backend = HostMemoryBackend(PAGE, 32)
+    pool = PagePool(backend, 32, max_runs=2)
+    region = VirtualRegion(pool, 32 * PAGE)
+    (p,) = region.map_new(0, 1)
+    region.map_shared(5, [p])
+    with pytest.raises(MappingBudgetExceeded, match="budget of 2"):
+        region.map_shared(9, [p])
+    assert pool.ref_cnt[p] == 2 and region.num_runs == 2  # nothing changed
+    region.map_new(1, 4)  # extends the first run: no new run, allowed
+    assert region.num_runs == 2
+    region.close()
+    pool.check()
+    backend.close()
+
+
+@pytest.mark.parametrize("page_size", [0, 1000, OS_PAGE + 1, -OS_PAGE])
+def test_bad_page_size_names_the_value(page_size: int) -> None:
+    with pytest.raises(ValueError, match=f"page_size.*{page_size}"):
+        HostMemoryBackend(page_size, 4)
+
+
+def test_bad_sizes_and_double_free(pool: PagePool) -> None:
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        VirtualRegion(pool, PAGE + 1)
+    region = VirtualRegion(pool, 4 * PAGE)
+    region.map_new(0, 1)
+    with pytest.raises(ValueError, match="already"):
+        region.map_new(0, 1)
+    with pytest.raises(ValueError, match="not all mapped"):
+        region.unmap(0, 2)
+    with pytest.raises(ValueError, match="outside"):
+        region.map_new(3, 2)
+    pages = region.unmap(0, 1)
+    with pytest.raises(ValueError, match="double free"):
+        pool.release(pages[0])
+    region.close()
+
+
+def test_pool_cap_answers_none_without_side_effects(pool: PagePool) -> None:
+    region = VirtualRegion(pool, 128 * PAGE)
+    assert region.map_new(0, 60) is not None
+    assert region.map_new(60, 5) is None
+    assert pool.num_in_use == 60 and region.num_mapped == 60
+    region.close()
+
+
+def test_stats_record_calls_and_latency(pool: PagePool) -> None:
+    region = VirtualRegion(pool, 8 * PAGE)
+    region.map_new(0, 4)
+    region.unmap(0, 4)
+    stats = pool.backend.stats.as_dict()
+    assert stats["map"]["calls"] == 1 and stats["map"]["pages"] == 4
+    assert stats["unmap"]["calls"] == 1 and stats["map"]["p50_us"] > 0
+    region.close()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from vmkv.memory import PagePool, VirtualRegion
+    from vmkv.memory.host import HostMemoryBackend
+    page = 64 * 1024
+    pool = PagePool(HostMemoryBackend(page, 8), 8)
+    region = VirtualRegion(pool, 8 * page)
+    region.map_new(0, 2)
+    data = region.as_bytes().view(torch.float32)
+    n = 2 * page // 4  # elements mapped
+    data[:n].fill_(1.0)
+    offset = int(sys.argv[1])
+    print(float(data[: n + offset].sum()), flush=True)  # offset 0: inside; 1: one past
+    """
+)
+
+
+@pytest.mark.parametrize(("offset", "returncode"), [(0, 0), (1, -11)])
+def test_touching_one_element_past_the_mapping_kills_the_process(
+    offset: int, returncode: int
+) -> None:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(offset)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == returncode, proc.stderr
+    if returncode == 0:
+        assert float(proc.stdout) == 2 * PAGE // 4
