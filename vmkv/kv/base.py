@@ -19,6 +19,18 @@ from vmkv.kv.spec import KVSpec
 
 
 @dataclass(frozen=True)
+class SwappedKV:
+    """A preempted request's KV copied to host memory (page- or block-granular)."""
+
+    num_tokens: int
+    data: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.data)
+
+
+@dataclass(frozen=True)
 class KVUsage:
     """A snapshot of KV memory use; all byte counts are physical unless named ``virt_``.
 
@@ -84,6 +96,15 @@ class KVCacheManager(ABC):
         """Make ``child_id`` share ``parent_id``'s tokens copy-on-write; False if it cannot."""
 
     @abstractmethod
+    def swap_out(self, request_id: str) -> SwappedKV:
+        """Copy ``request_id``'s KV to host memory and free its device memory."""
+
+    @abstractmethod
+    def swap_in(self, request_id: str, swapped: SwappedKV) -> bool:
+        """Allocate fresh memory for a swapped-out request and copy its KV back; False (nothing
+        changed) when memory or slots are short."""
+
+    @abstractmethod
     def num_tokens(self, request_id: str) -> int:
         """Tokens of room allocated to ``request_id`` so far (0 if unknown)."""
 
@@ -114,6 +135,14 @@ class KVCacheManager(ABC):
     @abstractmethod
     def request_ids(self) -> list[str]:
         """Requests currently holding memory."""
+
+    @staticmethod
+    def _host_copy(t: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
+        """A host copy of ``t`` (pinned when it comes from a GPU, for fast copies back);
+        ``owned`` host tensors (fresh gathers) are returned as they are."""
+        if t.device.type == "cpu":
+            return t if owned else t.clone()
+        return t.to("cpu", copy=True).pin_memory()
 
     def _check_length(self, request_id: str, new_len: int) -> None:
         if new_len > self.max_model_len:

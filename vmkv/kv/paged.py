@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from vmkv.kv.base import KVCacheManager, KVUsage
+from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
 from vmkv.kv.spec import KVSpec
 
 
@@ -166,6 +166,22 @@ class PagedKVCache(KVCacheManager):
         del self._num_tokens[request_id]
         for block in reversed(table):  # all or nothing; tail blocks reach the queue first
             self.pool.release(block)
+
+    def swap_out(self, request_id: str) -> SwappedKV:
+        table = torch.tensor(self.block_tables[request_id], device=self.device)
+        data = self._host_copy(self.kv.index_select(2, table), owned=True)  # [L,2,blocks,bs,H,D]
+        swapped = SwappedKV(self.num_tokens(request_id), [data])
+        self.free(request_id)
+        return swapped
+
+    def swap_in(self, request_id: str, swapped: SwappedKV) -> bool:
+        if request_id in self.block_tables:
+            raise ValueError(f"swap_in of {request_id!r} which already holds KV")
+        if not self.allocate(request_id, swapped.num_tokens):
+            return False
+        table = torch.tensor(self.block_tables[request_id], device=self.device)
+        self.kv.index_copy_(2, table, swapped.data[0].to(self.device, non_blocking=True))
+        return True
 
     # -- accounting ---------------------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vmkv.kv.base import KVCacheManager, KVUsage
+from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
 from vmkv.kv.spec import KVSpec, VirtualLayout
 from vmkv.memory.base import MappingBudgetExceeded
 from vmkv.memory.pool import PagePool
@@ -259,6 +259,33 @@ class VirtualKVCache(KVCacheManager):
             self._unmap_tail(slot, self._mapped[slot])
         self._idle_slots.add(slot)
         self._trim_idle()
+
+    # -- swapping -----------------------------------------------------------------------------
+    def _slot_bytes(self, region: VirtualRegion, slot: int, num_pages: int) -> torch.Tensor:
+        ps = self.pool.page_size
+        first = self._first_va_page(slot)
+        return region.as_bytes()[first * ps : (first + num_pages) * ps]
+
+    def swap_out(self, request_id: str) -> SwappedKV:
+        """Copy the request's mapped pages (page-granular) to host memory, then free it."""
+        slot, n = self._slot_of[request_id], self._num_tokens[request_id]
+        need = self.layout.pages_for(n)
+        data = [self._host_copy(self._slot_bytes(r, slot, need)) for r in self.regions]
+        self.backend.synchronize()
+        self.free(request_id)
+        return SwappedKV(n, data)
+
+    def swap_in(self, request_id: str, swapped: SwappedKV) -> bool:
+        """Map fresh pages in a slot and copy the saved pages back under them."""
+        if request_id in self._slot_of:
+            raise ValueError(f"swap_in of {request_id!r} which already holds KV")
+        if not self.allocate(request_id, swapped.num_tokens):
+            return False
+        slot = self._slot_of[request_id]
+        need = self.layout.pages_for(swapped.num_tokens)
+        for region, saved in zip(self.regions, swapped.data, strict=True):
+            self._slot_bytes(region, slot, need).copy_(saved, non_blocking=True)
+        return True
 
     # -- sharing ------------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> bool:

@@ -1,0 +1,201 @@
+"""Iteration-level scheduler: one token budget per step, no prefill or decode phases.
+
+Each step maps ``{seq_id: num_scheduled_tokens}`` under ``max_num_batched_tokens`` and
+``max_num_seqs``. Running sequences come first (a decode is 1 token; an unfinished prefill
+continues with as many as the budget allows); then, if nothing was preempted this step, waiting
+sequences are admitted first-come-first-served, their prompts prefilled in chunks that fill the
+rest of the budget. Strict FCFS: a waiting head that does not fit blocks the queue.
+
+When the KV manager cannot grow a running sequence, the newest running sequence is preempted
+all-or-nothing and put back at the front of the queue:
+
+    recompute  its KV is dropped; it re-prefills prompt + generated tokens later
+    swap       its KV is copied to host memory and its pages/blocks released; on re-admission
+               fresh memory is allocated and the KV copied back (no recomputation)
+
+A sequence that cannot fit even with every other sequence preempted is finished with
+``finish_reason="length"`` (``stop_reason="kv_capacity"``) instead of looping.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vmkv.engine.sequence import Sequence, SeqStatus
+from vmkv.kv.base import KVCacheManager
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: sequences in batch order and their token counts."""
+
+    scheduled: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_capacity: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled.append(seq)
+        self.num_scheduled_tokens[seq.seq_id] = num_tokens
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens whose KV was dropped and must be prefilled again
+    num_swapped_out_tokens: int = 0
+    num_swapped_in_tokens: int = 0
+
+
+class Scheduler:
+    """FCFS token-budget scheduler over one :class:`KVCacheManager`."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        if max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # -- queues -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (or a freshly forked child: it joins ``running`` directly)."""
+        if seq.num_computed_tokens:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues and release its KV (finished or aborted)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.kv.has_request(seq.seq_id):
+            self.kv.free(seq.seq_id)
+        seq.swapped = None
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; KV room for every scheduled token is allocated on return."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_new_tokens, budget)
+            if self._allocate_or_preempt(seq, n, out):
+                out.add(seq, n)
+                budget -= n
+                i += 1
+            # else seq itself left ``running`` (preempted or out of capacity): same index
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + seq.pending_forks > self.max_num_seqs:
+                break
+            n = min(seq.num_new_tokens, budget)
+            if seq.swapped is not None:
+                # swap in only when the next chunk fits too (no swap-in/out thrashing)
+                if not self.kv.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
+                    self._finish_if_hopeless(seq, out)
+                    break
+                self._swap_in(seq)
+            if not self.kv.allocate(seq.seq_id, n):
+                self._finish_if_hopeless(seq, out)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, n)
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Record that the step ran: scheduled tokens are now computed."""
+        for seq in out.scheduled:
+            seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
+
+    # -- preemption ---------------------------------------------------------------------------
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Room for ``n`` tokens of running ``seq``, preempting the newest running sequences
+        as needed. False when ``seq`` itself had to leave ``running``."""
+        while not self.kv.allocate(seq.seq_id, n):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self.running.pop()
+                self._out_of_capacity(seq, out)
+                return False
+            self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.stats.num_preemptions += 1
+        if self.preemption_mode == "swap":
+            self.stats.num_swapped_out_tokens += self.kv.num_tokens(seq.seq_id)
+            seq.swapped = self.kv.swap_out(seq.seq_id)
+        else:
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _swap_in(self, seq: Sequence) -> None:
+        if not self.kv.swap_in(seq.seq_id, seq.swapped):
+            raise AssertionError("swap_in failed although can_allocate said it fits")
+        self.stats.num_swapped_in_tokens += self.kv.num_tokens(seq.seq_id)
+        seq.swapped = None
+
+    def _finish_if_hopeless(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A waiting head that does not fit with nothing running never will."""
+        if not self.running:
+            self.waiting.popleft()
+            self._out_of_capacity(seq, out)
+
+    def _out_of_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.kv.has_request(seq.seq_id):
+            self.kv.free(seq.seq_id)
+        seq.swapped = None
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = "length", "kv_capacity"
+        out.out_of_capacity.append(seq)

@@ -1,0 +1,88 @@
+"""Requests and their sequences: the unit the scheduler moves between queues.
+
+A user request (``Request``) with ``n`` samples owns ``n`` sequences. Sequence 0 is created at
+admission; the other ``n - 1`` are forked from it once its prompt is prefilled and share the
+prompt's KV copy-on-write. Every sequence has its own KV id (``seq_id``) and is scheduled on its
+own:
+
+    seq:  | prompt tokens | output tokens |          token_ids
+          | < num_computed_tokens > |                 K/V cached
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vmkv.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One user request: prompt, parameters, its sequences and timing."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against max_model_len
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output sequence of a request, with its KV id and sampling state."""
+
+    seq_id: str
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_state: Any  # vmkv.sampling.SamplingState
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    pending_forks: int = 0  # children to fork once the prompt is prefilled
+    swapped: Any = None  # SwappedKV while preempted in swap mode
+    detokenizer: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens not yet in the KV cache (the prompt, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens

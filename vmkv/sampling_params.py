@@ -1,0 +1,173 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and meaning.
+
+A ``SamplingParams`` is validated once in ``__post_init__`` and never changed afterwards (it is
+frozen); the engine derives run-time values, such as the ``max_tokens`` that ``None`` resolves
+to, without writing them back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's cap for chat completions)
+GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the output tokens of one request.
+
+    Attributes:
+        n: number of output sequences for the prompt (>= 1).
+        temperature: divides the logits; 0 (anything below 1e-5) is greedy, and then top_p,
+            top_k and min_p are ignored.
+        top_p: keep the most likely tokens whose mass reaches top_p, in (0, 1]; 1 is off.
+        top_k: keep the top_k most likely tokens; 0 or -1 is off.
+        min_p: drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 is off.
+        seed: seeds a per-request generator, so the request samples the same tokens whatever
+            else is in its batch; None draws from the engine's shared generator.
+        max_tokens: most output tokens (>= 1); None means up to max_model_len, resolved by the
+            engine.
+        min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens
+            (0 <= min_tokens <= max_tokens).
+        stop: strings that end generation when they appear in the detokenized output; a str
+            or a list of non-empty str, normalised to a tuple (None -> ()).
+        stop_token_ids: token ids that end generation (besides EOS), normalised to a tuple of
+            non-negative ints (None -> ()).
+        ignore_eos: keep generating after EOS (it may still be sampled).
+        logprobs: None for no logprobs; k >= 0 returns the sampled token's logprob and the top
+            k (token, logprob) pairs, k <= MAX_LOGPROBS (20).
+        presence_penalty: subtracted once from every token already in the output, in [-2, 2].
+        frequency_penalty: subtracted per occurrence in the output, in [-2, 2].
+        repetition_penalty: > 0; tokens in the prompt or output have positive logits divided
+            and negative logits multiplied by it; 1 is off.
+        include_stop_str_in_output: keep the matched stop string in the returned text.
+        skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_limits()
+        self._check_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax; top_p, top_k and min_p are then ignored."""
+        return self.temperature < GREEDY_EPS
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalisation during validation only
+
+    def _check_numbers(self) -> None:
+        temperature = self._real("temperature")
+        if not temperature >= 0 or math.isinf(temperature):
+            raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
+        top_p = self._real("top_p")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        top_k = self._int("top_k")
+        if top_k < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1 disables it), got {top_k}")
+        min_p = self._real("min_p")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = self._real(name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        repetition_penalty = self._real("repetition_penalty")
+        if not repetition_penalty > 0 or math.isinf(repetition_penalty):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {repetition_penalty}")
+
+    def _check_limits(self) -> None:
+        n = self._int("n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if self.seed is not None:
+            seed = self._int("seed", "an int or None")
+            if not SEED_MIN <= seed <= SEED_MAX:
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
+        if self.max_tokens is not None:
+            max_tokens = self._int("max_tokens", "an int or None")
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        min_tokens = self._int("min_tokens")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+        if self.max_tokens is not None and min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {min_tokens}"
+            )
+        if self.logprobs is not None:
+            logprobs = self._int("logprobs", "an int or None")
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {logprobs}")
+
+    def _check_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, Iterable):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r} in stop")
+        self._set("stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)):
+            ids = tuple(ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of int or None, got {ids!r}")
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, Integral) or i < 0:
+                raise ValueError(
+                    f"stop_token_ids must be non-negative ints, got {i!r} in stop_token_ids"
+                )
+        self._set("stop_token_ids", tuple(int(i) for i in ids))
+
+    def _real(self, name: str) -> float:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        self._set(name, float(value))
+        return float(value)
+
+    def _int(self, name: str, kind: str = "an int") -> int:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, Integral):
+            raise ValueError(f"{name} must be {kind}, got {value!r}")
+        self._set(name, int(value))
+        return int(value)
