@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fake_cuda_driver import FakeDriver
+
 from vmkv.config import CacheConfig
 from vmkv.kv import KVSpec, VirtualKVCache, create_kv_cache
 from vmkv.memory import BackendUnavailable, PagePool, VirtualRegion, VmmError

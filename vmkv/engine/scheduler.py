@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from vmkv.engine.sequence import Sequence, SeqStatus
+from vmkv.engine.sequence import SeqStatus, Sequence
 from vmkv.kv.base import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")

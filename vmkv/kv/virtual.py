@@ -71,8 +71,9 @@ class VirtualKVCache(KVCacheManager):
         self.max_idle_pages = max_idle_pages
         slot_bytes = self.layout.slot_bytes
         if slot_bytes * num_slots >= 1 << 46:
-            raise ValueError(f"{num_slots} slots of {slot_bytes} B exceed the 64 TiB of virtual "
-                             "address space vmkv allows itself; lower max_num_seqs or max_model_len")
+            raise ValueError(
+                f"{num_slots} slots of {slot_bytes} B exceed the 64 TiB of virtual address "
+                "space vmkv allows itself; lower max_num_seqs or max_model_len")
         self.regions = [
             VirtualRegion(pool, num_slots * slot_bytes, name=f"kv-region-{i}")
             for i in range(self.layout.num_regions)

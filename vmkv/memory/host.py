@@ -3,7 +3,7 @@
     cuMemAddressReserve  ->  mmap(NULL, n, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     cuMemCreate          ->  fallocate(memfd, 0, page_off, page)         (commits the memory)
     cuMemMap+SetAccess   ->  mmap(va, n, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, off)
-    cuMemUnmap           ->  mmap(va, n, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE|MAP_FIXED)
+    cuMemUnmap           ->  mmap(va, n, PROT_NONE, MAP_PRIVATE|MAP_ANON|MAP_NORESERVE|MAP_FIXED)
                              (an atomic replace: nothing else can land in the hole)
     cuMemRelease         ->  fallocate(memfd, PUNCH_HOLE|KEEP_SIZE, page_off, page)
     cuMemAddressFree     ->  munmap(va, n)

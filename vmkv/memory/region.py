@@ -94,7 +94,7 @@ class VirtualRegion:
                              "which are not all mapped")
         old = [int(p) for p in pages]
         delta = self._runs_delta(va_page, num, None)
-        for start, first, count in _runs(va_page, old):
+        for start, _, count in _runs(va_page, old):
             self.backend.unmap_run(self.va_of(start), count)
             self.page_at[start : start + count] = UNMAPPED
         self.num_mapped -= num
