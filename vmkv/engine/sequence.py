@@ -43,7 +43,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        """Every sequence finished and no sample is still to be forked."""
+        return all(s.is_finished for s in self.seqs) and not self.seqs[0].pending_forks
 
 
 @dataclass(eq=False)

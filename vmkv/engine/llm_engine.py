@@ -1,0 +1,294 @@
+"""The engine: requests in, one scheduled model step at a time, outputs out (single-threaded).
+
+    add_request ──> Scheduler.waiting ──schedule()──> ModelRunner.execute ──> Sampler
+                                                         │ fork n>1 after the prompt
+    RequestOutput <── stop checks, detokenise <── append token ─┘
+
+Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from vmkv.attention import create_attention_backend
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.model_runner import ModelRunner
+from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.scheduler import Scheduler
+from vmkv.engine.sequence import Request, Sequence
+from vmkv.engine.stopping import check_stop, stream_safe_len
+from vmkv.kv import create_kv_cache
+from vmkv.kv.virtual import VirtualKVCache
+from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
+from vmkv.sampling import Sampler, SamplingState
+from vmkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("vmkv")
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters since start-up (the server exports them to Prometheus)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] | None = None
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.finished = {"stop": 0, "length": 0, "abort": 0}
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model and one KV cache manager."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.monotonic()
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.dtype = parse_dtype(config.torch_dtype_name)
+        self.model, self.model_config = load_model(self.model_path, self.dtype, config.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        limit = self.model_config.max_model_len
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                             f"limit ({limit})")
+        self.max_model_len = config.max_model_len or limit
+        self.kv = create_kv_cache(config.cache, self.model_config.kv_spec(self.dtype),
+                                  num_slots=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, device=config.device)
+        self.attn = create_attention_backend(self.kv)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption_mode=config.preemption_mode)
+        self.runner = ModelRunner(self.model, self.attn)
+        generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        eos = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineCounters()
+        self.startup_seconds = time.monotonic() - started
+        for line in self.startup_report():
+            logger.info(line)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def startup_report(self) -> list[str]:
+        """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
+        kv, cap = self.kv, self.kv.capacity_tokens
+        lines = [
+            f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}) "
+            f"on {self.config.device}, loaded in {self.startup_seconds:.1f} s",
+            f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
+            f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
+            f"request: {cap / self.max_model_len:.2f}x",
+        ]
+        if isinstance(kv, VirtualKVCache):
+            lay = kv.layout
+            lines.append(
+                f"virtual: {kv.usage.virt_reserved_bytes / 2**30:,.1f} GiB reserved "
+                f"({kv.num_slots} slots x {lay.slot_tokens:,} tokens), layout {lay.name}, "
+                f"page {lay.page_size // 1024} KiB = {lay.page_size / lay.row_bytes:.2f} tokens, "
+                f"{kv.pool.num_created} pages pre-created")
+        else:
+            lines.append(f"paged: {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens")
+        return lines
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None
+                    ) -> Request:
+        """Validate and queue a request; ValueError (nothing queued) for bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs})")
+        if len(ids) > self.kv.capacity_tokens:
+            raise ValueError(f"the prompt ({len(ids)} tokens) can never fit in the KV cache "
+                             f"({self.kv.capacity_tokens} tokens)")
+        req = Request(request_id, ids, params, max_tokens, prompt=text)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        seq = self._new_sequence(req, 0, list(ids))
+        seq.pending_forks = params.n - 1
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(ids)
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} "
+                             f"tokens; the prompt has {prompt_len}, leaving no room for output")
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{params.max_tokens} in max_tokens)")
+        return params.max_tokens
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = req.params
+        if index and params.seed is not None:  # each sample its own reproducible stream
+            params = replace(params, seed=(params.seed + index) % 2**63)
+        state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
+                              device=self.config.device)
+        seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
+                       len(req.prompt_token_ids), state)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
+                                                 req.params.skip_special_tokens)
+        req.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV now; None if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            seq.pending_forks = 0
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.remove(seq)
+                self.counters.finished["abort"] += 1
+        return self._finish_request(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; outputs of every request that changed (finished ones last
+        appear with ``finished=True`` and are forgotten)."""
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in out.out_of_capacity:
+            seq.pending_forks = 0
+            self.counters.finished["length"] += 1
+            touched[seq.request.request_id] = seq.request
+        if out.scheduled:
+            self.counters.steps += 1
+            now = time.monotonic()
+            for seq in out.scheduled:
+                if seq.request.first_scheduled_time is None:
+                    seq.request.first_scheduled_time = now
+            logits, ready = self.runner.execute(out)
+            self.scheduler.update(out)
+            if ready:
+                self._sample(logits, ready, touched)
+        return [self._output(req) for req in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, ready: list[Sequence],
+                touched: dict[str, Request]) -> None:
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, seq in enumerate(ready):
+            seqs.append(seq)
+            rows.append(row)
+            for child in self._fork(seq):
+                seqs.append(child)
+                rows.append(row)
+        if len(rows) != len(ready):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, [s.sampling_state for s in seqs])
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            top = result.top_logprobs[i] if result.top_logprobs is not None else None
+            lp = result.logprobs[i] if result.logprobs is not None else None
+            self._append(seq, result.token_ids[i], lp, top)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """After the prompt, make the n-1 other samples share the parent's KV."""
+        req, children = parent.request, []
+        for index in range(1, parent.pending_forks + 1):
+            child = self._new_sequence(req, index, list(parent.token_ids))
+            if not self.kv.fork(parent.seq_id, child.seq_id):
+                raise RuntimeError(f"fork of {parent.seq_id} failed although a slot was held")
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.scheduler.add(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None,
+                top: list[tuple[int, float]] | None) -> None:
+        seq.token_ids.append(token)
+        seq.sampling_state.output_token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if seq.request.params.logprobs is not None:
+            entry = {token: float(logprob)} if logprob is not None else {}
+            entry.update({t: float(v) for t, v in (top or [])})
+            seq.logprobs.append(entry)
+        start = len(seq.output_text)
+        seq.output_text += seq.detokenizer.step(seq.token_ids)
+        check_stop(seq, start, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+            self.counters.finished[seq.finish_reason] += 1
+
+    # -- outputs ------------------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        if req.is_finished:
+            return self._finish_request(req)
+        return self._make_output(req, finished=False)
+
+    def _finish_request(self, req: Request) -> RequestOutput:
+        req.finish_time = req.finish_time or time.monotonic()
+        self.requests.pop(req.request_id, None)
+        return self._make_output(req, finished=True)
+
+    def _make_output(self, req: Request, *, finished: bool) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.output_text[: stream_safe_len(s)],
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
+                                 req.first_token_time, req.finish_time)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
+                             finished, metrics, req.num_cached_tokens)
+
+    def close(self) -> None:
+        """Abort everything and release the KV memory."""
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.kv.close()

@@ -1,0 +1,49 @@
+"""Turns a scheduler step into one model forward and the logits of the sequences to sample."""
+
+from __future__ import annotations
+
+import torch
+
+from vmkv.attention.base import AttentionBackend
+from vmkv.engine.scheduler import SchedulerOutput
+from vmkv.engine.sequence import Sequence
+from vmkv.models.llama import LlamaModel
+
+
+class ModelRunner:
+    """Owns the model and the attention backend; every tensor of a step is built here."""
+
+    def __init__(self, model: LlamaModel, attn: AttentionBackend) -> None:
+        self.model = model
+        self.attn = attn
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the step; return ``logits [N, vocab]`` (float32) for the ``N`` sequences whose
+        scheduled tokens reach their end (finished prefills and decodes), and those sequences.
+        Sequences in the middle of a chunked prefill produce no logits."""
+        ids: list[int] = []
+        positions: list[int] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq in out.scheduled:
+            n = out.num_scheduled_tokens[seq.seq_id]
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            context_lens.append(c)
+            query_lens.append(n)
+            if c + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        meta = self.attn.prepare([s.seq_id for s in out.scheduled], context_lens, query_lens)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
+        hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
+        if not sample_rows:
+            return None, []
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs  # [N, V]
