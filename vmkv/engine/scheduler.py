@@ -125,10 +125,13 @@ class Scheduler:
             # else seq itself left ``running`` (preempted or out of capacity): same index
         if out.preempted:
             return out
+        # running sequences plus the samples they will fork after their prompt
+        seqs = len(self.running) + sum(s.pending_forks for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.pending_forks > self.max_num_seqs:
+            if seqs + 1 + seq.pending_forks > self.max_num_seqs:
                 break
+            seqs += 1 + seq.pending_forks
             n = min(seq.num_new_tokens, budget)
             if seq.swapped is not None:
                 # swap in only when the next chunk fits too (no swap-in/out thrashing)

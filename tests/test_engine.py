@@ -1,0 +1,189 @@
+"""The engine on the default model: batch invariance, preemption, n>1 sharing, aborts, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vmkv import LLM, SamplingParams
+from vmkv.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.usefixtures("default_model")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "import numpy as np\n",
+    "My favourite fruit is",
+    "In 1969, the first person to walk on the moon was",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def make_llm(kv_mode: str, **kw: object) -> LLM:
+    kw.setdefault("max_model_len", 512)
+    return LLM(kv_mode=kv_mode, **kw)
+
+
+def run_engine(engine: LLMEngine, schedule: dict[int, list[tuple[str, str, SamplingParams]]],
+               abort_at: dict[int, list[str]] | None = None) -> dict[str, list[int]]:
+    """Step ``engine``, adding requests and aborting ids at the given steps; return tokens."""
+    results: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(k >= step for k in schedule):
+        for rid, prompt, params in schedule.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for rid in (abort_at or {}).get(step, []):
+            engine.abort_request(rid)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        assert step < 5000
+    return results
+
+
+def assert_nothing_held(engine: LLMEngine) -> None:
+    kv = engine.kv
+    kv.check()
+    usage = kv.usage
+    assert usage.num_requests == 0 and usage.bytes_in_use == 0 and usage.num_tokens == 0
+    assert not engine.scheduler.has_work() and not engine.requests
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[str, list[int]]:
+    """Each prompt run on its own (the reference for batch invariance)."""
+    llm = make_llm("virtual")
+    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_greedy_outputs_do_not_depend_on_the_batch(kv_mode: str, alone: dict) -> None:
+    engine = make_llm(kv_mode, max_num_batched_tokens=32).engine  # chunked prefills too
+    schedule: dict[int, list] = {}
+    for i, prompt in enumerate(PROMPTS):  # requests join at different steps ...
+        schedule.setdefault(3 * i, []).append((f"p{i}", prompt, GREEDY))
+    for i in range(6):  # ... and short extra requests come and go among them
+        params = SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+        schedule.setdefault(2 * i + 1, []).append((f"x{i}", PROMPTS[-1 - i] * 2, params))
+    results = run_engine(engine, schedule)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[f"p{i}"] == alone[prompt], f"{kv_mode}: prompt {i} changed in a batch"
+    assert_nothing_held(engine)
+
+
+def _many_prompts(n: int) -> list[str]:
+    return [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_under_tight_memory_keeps_tokens(kv_mode: str, preemption: str) -> None:
+    prompts = _many_prompts(32)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ample = make_llm(kv_mode, max_num_seqs=32)
+    want = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    ample.engine.close()
+    # ~4 requests' worth of KV (prompts ~12 tokens + 16 outputs, 46 KB per token in fp32)
+    tight = make_llm(kv_mode, max_num_seqs=32, kv_cache_memory=4 * 28 * 46080 + 65536,
+                     preemption_mode=preemption)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    stats = tight.engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert got == want
+    assert_nothing_held(tight.engine)
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_n_samples_share_the_prompt_kv(kv_mode: str) -> None:
+    llm = make_llm(kv_mode)
+    engine = llm.engine
+    prompt = " ".join(PROMPTS)  # ~70 tokens
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+
+    def peak_bytes(schedule: dict) -> tuple[int, dict]:
+        peak, outs, step = 0, {}, 0
+        for rid, p, sp in schedule[0]:
+            engine.add_request(rid, p, sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = [c.token_ids for c in out.outputs]
+            peak = max(peak, engine.kv.usage.bytes_in_use)
+            step += 1
+        return peak, outs
+
+    shared_peak, shared = peak_bytes({0: [("n4", prompt, params)]})
+    separate = [("s%d" % i, prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8,
+                                                      ignore_eos=True)) for i in range(4)]
+    separate_peak, singles = peak_bytes({0: separate})
+    # each sample equals the request run alone with the sample's seed (seed + index)
+    assert shared["n4"] == [singles[f"s{i}"][0] for i in range(4)]
+    assert len({tuple(t) for t in shared["n4"]}) > 1  # they really are different samples
+    assert shared_peak < 0.6 * separate_peak, (shared_peak, separate_peak)
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_aborts_at_random_points_free_everything(kv_mode: str) -> None:
+    engine = make_llm(kv_mode, max_num_batched_tokens=24, max_num_seqs=8).engine
+    rng = random.Random(kv_mode)
+    schedule: dict[int, list] = {}
+    aborts: dict[int, list] = {}
+    for i in range(16):
+        start = rng.randrange(0, 20)
+        params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=0.7, seed=i,
+                                max_tokens=rng.randrange(4, 20))
+        schedule.setdefault(start, []).append((f"a{i}", PROMPTS[i % 8], params))
+        if rng.random() < 0.6:
+            aborts.setdefault(start + rng.randrange(0, 12), []).append(f"a{i}")
+    run_engine(engine, schedule, aborts)
+    assert engine.counters.finished["abort"] > 0
+    assert_nothing_held(engine)
+
+
+def test_bad_requests_raise_value_errors_and_queue_nothing() -> None:
+    engine = make_llm("virtual", max_model_len=64, max_num_seqs=4).engine
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        engine.add_request("a", "hello", SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="n \\(5\\) exceeds max_num_seqs \\(4\\)"):
+        engine.add_request("b", "hello", SamplingParams(n=5))
+    with pytest.raises(ValueError, match="prompt token ids must be ints"):
+        engine.add_request("c", [1, -3, 10**9])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.add_request("d", [])
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("e", "hi", SamplingParams(temperature=-1))
+    engine.add_request("f", "hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("f", "hi")
+    assert list(engine.requests) == ["f"]
+
+
+def test_stop_strings_and_stop_tokens() -> None:
+    llm = make_llm("paged")
+    base = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in base.text
+    cut = base.text.index("Paris")
+    stop = llm.generate("The capital of France is",
+                        SamplingParams(temperature=0, max_tokens=24, stop=["ari"]),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop.finish_reason == "stop" and stop.stop_reason == "ari"
+    assert stop.text == base.text[: cut + 1]  # "... P" (the stop string is cut out)
+    kept = llm.generate("The capital of France is",
+                        SamplingParams(temperature=0, max_tokens=24, stop="ari",
+                                       include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == base.text[: cut + 4]
+    i = next(i for i in range(3, 24) if base.token_ids[i] not in base.token_ids[:i])
+    token = base.token_ids[i]
+    by_id = llm.generate("The capital of France is",
+                         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]),
+                         use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == base.token_ids[: i + 1] and by_id.stop_reason == token
