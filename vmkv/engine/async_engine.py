@@ -1,0 +1,203 @@
+"""The engine on its own thread, for asyncio callers: submit, stream outputs, abort.
+
+    event loop (server)                          engine thread
+    generate() --("add", future)--> inbox ------> LLMEngine.add_request (ValueError -> future)
+    async for out in stream  <-- call_soon_threadsafe <-- step() outputs
+    disconnect/cancel --("abort")--> inbox -----> LLMEngine.abort_request (KV freed at once)
+
+The event loop never runs a model step; the engine thread never touches asyncio objects except
+through ``call_soon_threadsafe``. Everything that reads engine state (stats) is also a command,
+so nothing races with a step. If a step raises, the engine is dead: every stream ends with
+:class:`EngineDeadError` and :attr:`AsyncEngine.dead` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.engine.outputs import RequestOutput
+from vmkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("vmkv")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; no request can be served."""
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator of cumulative outputs.
+
+    ``abort()`` (also safe after the end) stops the request in the engine and frees its KV.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop
+                 ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            # outputs are cumulative: when several are queued, only the newest matters
+            while (isinstance(item, RequestOutput) and not item.finished
+                   and not self.queue.empty()):
+                item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (no-op then)."""
+        if not self.finished and self.engine.dead is None:
+            self.finished = True
+            self.engine._submit("abort", self.request_id)
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` loop on a daemon thread; safe to use from one event loop."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future | None]] = (
+            queue.SimpleQueue())
+        self._streams: dict[str, RequestStream] = {}
+        self.dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vmkv-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) -------------------------------------------------------------
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                  ) -> RequestStream:
+        """Submit a request; returns once the engine accepted it.
+
+        Raises ValueError (bad request, nothing queued) or EngineDeadError.
+        """
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        await self._call("add", (request_id, prompt, params, stream))
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit and yield cumulative outputs until finished; leaving early aborts."""
+        stream = await self.add(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it is unknown or already finished)."""
+        await self._call("abort", request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (consistent stats reads)."""
+        return await self._call("call", fn)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._submit("stop", None)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    def _submit(self, kind: str, payload: Any,
+                future: concurrent.futures.Future | None = None) -> None:
+        self._inbox.put((kind, payload, future))
+
+    async def _call(self, kind: str, payload: Any) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(kind, payload, future)
+        return await asyncio.wrap_future(future)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
+            logger.exception("engine loop died")
+            self.dead = exc
+            self._fail_everything(exc)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
+        try:
+            if kind == "add":
+                request_id, prompt, params, stream = payload
+                self.engine.add_request(request_id, prompt, params)
+                self._streams[request_id] = stream
+                result = None
+            elif kind == "abort":
+                out = self.engine.abort_request(payload)
+                if out is not None:
+                    self._deliver(out)
+                result = None
+            elif kind == "call":
+                result = payload(self.engine)
+            else:  # "stop"
+                result = None
+        except Exception as exc:  # bad input: the caller gets it, the loop goes on
+            if future is None:
+                logger.warning("%s %r failed: %s", kind, payload, exc)
+                return
+            future.set_exception(exc)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"the engine loop died: {exc!r}")
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._streams.clear()
+        while True:
+            try:
+                _, _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.done():
+                future.set_exception(error)

@@ -1,0 +1,144 @@
+"""One forward for the whole Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
+
+A step is a flat batch of tokens from several requests (prefill chunks and decodes mixed):
+
+    input_ids [T], positions [T]  ->  embed -> L x (attn + MLP) -> norm  ->  hidden [T, hidden]
+
+The model keeps no KV: every layer hands its new q/k/v to the :class:`AttentionBackend`, which
+writes K/V into the cache manager's memory and attends. Weights use vmkv names (fused
+``qkv_proj`` and ``gate_up_proj``); :mod:`vmkv.models.loader` maps HF checkpoints onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vmkv.attention.base import AttentionBackend, AttentionMetadata
+from vmkv.models.config import ModelConfig
+from vmkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+Device = torch.device | str | None
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, backend attention, output."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, device: Device, dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.scale = cfg.scale
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias,
+                                  device=device, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias,
+                                device=device, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]; cos, sin: [T, head_dim]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.forward(self.layer, q, k, v, meta, self.scale)  # [T, Hq * D]
+        return self.o_proj(out)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, device: Device, dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device,
+                                       dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, layer, device=device, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                device=device, dtype=dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
+                            device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head. Build with ``device="meta"`` and :meth:`load_weights` to
+    load without allocating twice; the rotary table is always built on ``rope_device``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: Device = "cpu", rope_device: Device = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        # NOTE: an explicit weight skips normal_() init, which on meta imports torch._dynamo
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device=device, dtype=dtype)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device,
+                                 dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
+                                      device=rope_device if rope_device is not None else device)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Adopt ``state`` (vmkv names, final dtype and device) as the parameters, no copies.
+
+        With tied embeddings ``lm_head.weight`` may be absent; the head then shares
+        ``embed_tokens.weight``. Raises ValueError on missing, unexpected or misshapen weights.
+        """
+        state = dict(state)
+        if self.config.tie_word_embeddings:
+            state["lm_head.weight"] = state.get("embed_tokens.weight")  # type: ignore[assignment]
+        expected = {name: p.shape for name, p in self.named_parameters(remove_duplicate=False)}
+        missing = sorted(n for n in expected if state.get(n) is None)
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit {self.config.architecture}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, shape in expected.items():
+            if state[name].shape != shape:
+                raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, "
+                                 f"expected {tuple(shape)}")
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Run one step; returns final-norm hidden states ``[T, hidden]``.
+
+        ``input_ids``, ``positions``: ``[T]`` int64 on the model's device, flattened in
+        ``meta``'s request order; the KV manager must already hold room for every token.
+        """
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]`` (head in the model dtype)."""
+        return self.lm_head(hidden).to(torch.float32)

@@ -1,0 +1,149 @@
+"""Load an HF model folder (config.json + safetensors) into :class:`LlamaModel`, no HF model.
+
+    config.json (+ generation_config.json)    -> ModelConfig
+    model.safetensors | model-0000N-of-0000M.safetensors + model.safetensors.index.json
+        model.layers.N.self_attn.{q,k,v}_proj.* -> layers.N.self_attn.qkv_proj.*   (cat dim 0)
+        model.layers.N.mlp.{gate,up}_proj.*     -> layers.N.mlp.gate_up_proj.*     (cat dim 0)
+        model.* -> *, lm_head.weight (absent when tied)
+
+Tensors are read with ``safetensors.torch.load_file`` and each is cast and moved once; the
+model is built on the meta device and adopts them (no randomly initialised second copy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
+from vmkv.models.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+_FUSED = {  # vmkv fused name -> the HF names it concatenates, in order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_PART_OF = {part: (fused, i) for fused, parts in _FUSED.items() for i, part in enumerate(parts)}
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(\w+\.\w+)\.(weight|bias)")
+_IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """``path`` as a Path if it is an HF model folder (has config.json), else ValueError."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is not a folder")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a model folder: it has no config.json")
+    return path
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of ``path``: the shards the index names, or the single file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise ValueError(f"{str(path)!r} has no *.safetensors weights (pytorch_model.bin and "
+                         "GGUF folders are not read directly; pass the .gguf file instead)")
+    return found
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """ModelConfig of a model folder; eos ids of generation_config.json are added."""
+    from transformers import AutoConfig
+
+    path = check_model_dir(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{str(path / 'config.json')!r} is not valid JSON: {e}") from e
+    archs = raw.get("architectures") or []
+    if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"unsupported architecture ({', '.join(archs)}); supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"transformers cannot read {str(path / 'config.json')!r} ({e}); "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from e
+    cfg = ModelConfig.from_hf(hf_config)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+        if ids != cfg.eos_token_ids:
+            from dataclasses import replace
+
+            cfg = replace(cfg, eos_token_ids=ids)
+    return cfg
+
+
+def hf_to_vmkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF weights to vmkv names and fuse q/k/v and gate/up (see the module docstring)."""
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}  # (layer, fused, kind)
+    for name, tensor in tensors.items():
+        if name.endswith(_IGNORED):
+            continue
+        name = name.removeprefix("model.")
+        m = _LAYER_KEY.fullmatch(name)
+        if m and m.group(2) in _PART_OF:
+            fused, i = _PART_OF[m.group(2)]
+            parts.setdefault((m.group(1), fused, m.group(3)), {})[i] = tensor
+        else:
+            state[name] = tensor
+    for (layer, fused, kind), pieces in parts.items():
+        name, want = f"layers.{layer}.{fused}.{kind}", len(_FUSED[fused])
+        if sorted(pieces) != list(range(want)):
+            raise ValueError(f"checkpoint lacks part of {name}: has {sorted(pieces)} of {want}")
+        state[name] = torch.cat([pieces[i] for i in range(want)], dim=0)
+    return state
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[LlamaModel, ModelConfig]:
+    """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
+
+    Raises ValueError for a path that is not a model folder, an unsupported architecture or
+    weights that do not fit the config.
+    """
+    cfg = load_model_config(path)
+    path = Path(path).expanduser()
+    dtype = parse_dtype(dtype) if dtype is not None else cfg.torch_dtype or torch.float32
+    device = torch.device(device)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        tensors.update((name, t.to(device=device, dtype=dtype))
+                       for name, t in load_file(file).items())
+    model = LlamaModel(cfg, dtype=dtype, device="meta", rope_device=device)
+    model.load_weights(hf_to_vmkv(tensors))
+    model.eval()
+    logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,
+                _num_params(model), cfg.num_layers, path, dtype, device)
+    return model, cfg
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF tokenizer saved in model folder ``path``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(check_model_dir(path))
+
+
+def _num_params(model: torch.nn.Module) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return f"{n / 1e6:.1f}M params"
