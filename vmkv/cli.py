@@ -96,9 +96,114 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_vmm)
 
 
+# -- engine options shared by serve / generate / bench ---------------------------------------------
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-mode", choices=["virtual", "paged"], default="virtual")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=_size, default=1 << 30,
+                   help="physical KV budget, e.g. 1G (default) or 512M")
+    p.add_argument("--page-size", type=_size, default=None,
+                   help="virtual page size (default: 64K on CPU, driver granularity on CUDA)")
+    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers")
+    p.add_argument("--block-size", type=int, default=16, help="paged mode tokens per block")
+    p.add_argument("--premap-pages", type=int, default=0)
+    p.add_argument("--max-idle-memory", type=_size, default=None,
+                   help="KV memory kept for reuse when idle; beyond it, memory is returned")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig
+    """The EngineConfig the engine options describe (ValueError for impossible values)."""
+    from vmkv.config import CacheConfig
+    from vmkv.engine.config import EngineConfig
+
+    cache = CacheConfig(kv_mode=args.kv_mode, kv_cache_bytes=args.kv_cache_memory,
+                        page_size=args.page_size, layout=args.kv_layout,
+                        block_size=args.block_size, premap_pages=args.premap_pages,
+                        max_idle_bytes=args.max_idle_memory,
+                        precreate=not args.device.startswith("cpu"))
+    return EngineConfig(model=getattr(args, "model", None), device=args.device,
+                        dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        preemption_mode=args.preemption_mode, cache=cache, seed=args.seed)
+
+
+# -- serve / generate / model ---------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
+    config = engine_config(args)
+    # NOTE: the only place vmkv/ reaches into server/ (lazily): the engine never needs the
+    # server's dependencies (fastapi, uvicorn, pydantic).
+    from server.main import serve
+
+    serve(config, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from vmkv.llm import LLM
+    from vmkv.sampling_params import SamplingParams
+
+    llm = LLM.from_config(engine_config(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.sample_seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from vmkv.models import fetch_default_model
+
+    print(fetch_default_model())
+    return 0
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("VMKV_API_KEY"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-body-bytes", type=_size, default=4 << 20)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    model = sub.add_parser("model", help="model cache").add_subparsers(dest="model_cmd",
+                                                                        required=True)
+    p = model.add_parser("fetch", help="download and convert the default model once")
+    p.set_defaults(func=cmd_model_fetch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
     _add_bench(sub)
     return parser
 

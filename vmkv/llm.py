@@ -62,6 +62,14 @@ class LLM:
             preemption_mode=preemption_mode, cache=cache, seed=seed))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an engine built from a full :class:`EngineConfig` (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

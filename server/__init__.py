@@ -1,0 +1,1 @@
+"""vmkv's OpenAI-compatible HTTP server (FastAPI + uvicorn); ``vmkv serve`` starts it."""

@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP API over an :class:`~vmkv.engine.async_engine.AsyncEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``.
+Every request is tokenised here; the engine thread only schedules and runs steps. A client that
+disconnects has its requests aborted (KV freed) at once, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import vmkv
+from server import responses as R
+from server.errors import APIError, error_response, install_error_handlers
+from server.metrics import Metrics, take_snapshot
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from vmkv.engine.async_engine import AsyncEngine, RequestStream
+from vmkv.engine.outputs import RequestOutput
+from vmkv.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings (the engine has its own :class:`~vmkv.engine.config.EngineConfig`)."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+
+
+class _BodyLimit:
+    """ASGI middleware: bodies over ``limit`` bytes get 413 before the app reads them."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            response = error_response(413, f"request body over {self.limit} bytes")
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI turns other errors here into a generic 400
+                raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The FastAPI application; ``engine`` must already run."""
+    app = FastAPI(title="vmkv", version=vmkv.__version__)
+    install_error_handlers(app)
+    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    metrics = Metrics(config.served_model_name)
+    api = _Api(engine, config, metrics)
+    llm = engine.engine
+    tokenizer = llm.tokenizer
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return error_response(401, "invalid or missing API key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(503, f"the engine loop died: {engine.dead!r}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": vmkv.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "vmkv", "root": str(llm.model_path), "max_model_len": llm.max_model_len,
+        }]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        if engine.is_alive:
+            metrics.snapshot = await engine.call(take_snapshot)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        api.check_model(body.model)
+        if body.messages is not None:
+            ids = api.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        api.check_model(body.model)
+        api.check_token_ids(body.tokens)
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await api.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await api.chat(body, raw)
+
+    app.state.metrics = metrics
+    return app
+
+
+class _Api:
+    """The generation endpoints' logic, kept out of the route table."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.llm = engine.engine
+        self.tokenizer = self.llm.tokenizer
+        self.token_text = R.TokenText(self.tokenizer)
+
+    # -- checks -------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.llm.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+
+    def check_n(self, n: int) -> None:
+        if not 1 <= n <= self.config.max_n:
+            raise APIError(400, f"n must be in 1..{self.config.max_n}, got {n}", "n")
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+    # -- submit / collect ---------------------------------------------------------------------
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams
+                     ) -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add(f"{request_id}-{i}", ids, params))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def merged(self, streams: list[RequestStream], started: float
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several streams as they come, with latency metrics observed."""
+        queue: asyncio.Queue = asyncio.Queue()
+        last: dict[int, tuple[float, int]] = {}
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._observe(i, item, started, last)
+                if item.finished:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()
+
+    def _observe(self, i: int, out: RequestOutput, started: float,
+                 last: dict[int, tuple[float, int]]) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        prev_time, prev_tokens = last.get(i, (None, 0))
+        if prev_time is None and tokens:
+            self.metrics.ttft.observe(now - started)
+        elif prev_time is not None and tokens > prev_tokens:
+            gap = (now - prev_time) / (tokens - prev_tokens)
+            for _ in range(tokens - prev_tokens):
+                self.metrics.itl.observe(gap)
+        if tokens:
+            last[i] = (now, tokens)
+        if out.finished:
+            self.metrics.e2e.observe(now - started)
+
+    async def collect(self, raw: Request, streams: list[RequestStream], started: float
+                      ) -> list[RequestOutput]:
+        """Final outputs; a client that disconnects meanwhile aborts the requests."""
+        final: list[RequestOutput | None] = [None] * len(streams)
+
+        async def run() -> None:
+            async for i, out in self.merged(streams, started):
+                if out.finished:
+                    final[i] = out
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                for s in streams:
+                    s.abort()
+                raise APIError(499, "client disconnected")
+        task.result()
+        return [o for o in final if o is not None]
+
+    # -- /v1/completions ----------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        started = time.monotonic()
+        self.check_model(body.model)
+        self.check_n(body.n)
+        prompts: list[list[int]] = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(self.tokenizer(p).input_ids)
+            else:
+                self.check_token_ids(p)
+                prompts.append(list(p))
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = body.sampling_params(max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.submit(request_id, prompts, params)
+        model, n = self.config.served_model_name, body.n
+        echo = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        if body.stream:
+            return StreamingResponse(
+                self._stream_completion(request_id, model, streams, started, n, echo, body,
+                                        sum(map(len, prompts))),
+                media_type="text/event-stream")
+        outs = await self.collect(raw, streams, started)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                choice = {"index": i * n + c.index, "text": echo[i] + c.text,
+                          "logprobs": None, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if body.logprobs is not None:
+                    choice["logprobs"] = R.completion_logprobs(
+                        self.token_text, c.token_ids, c.logprobs or [], len(echo[i]))
+                choices.append(choice)
+        return JSONResponse({
+            **R.envelope(request_id, "text_completion", model), "choices": choices,
+            "usage": R.usage(sum(o.num_prompt_tokens for o in outs),
+                             sum(len(c.token_ids) for o in outs for c in o.outputs),
+                             sum(o.num_cached_tokens for o in outs)),
+        })
+
+    async def _stream_completion(self, request_id: str, model: str,
+                                 streams: list[RequestStream], started: float, n: int,
+                                 echo: list[str], body: CompletionRequest, prompt_tokens: int
+                                 ) -> AsyncIterator[str]:
+        base = R.envelope(request_id, "text_completion", model)
+        trackers: dict[int, R.ChoiceTracker] = {}
+        completion_tokens = cached = 0
+        async for i, out in self.merged(streams, started):
+            for c in out.outputs:
+                index = i * n + c.index
+                tracker = trackers.get(index)
+                if tracker is None:
+                    tracker = trackers[index] = R.ChoiceTracker(text_offset=len(echo[i]))
+                    if echo[i]:
+                        yield R.sse({**base, "choices": [{"index": index, "text": echo[i],
+                                                          "logprobs": None,
+                                                          "finish_reason": None}]})
+                d = tracker.delta(c)
+                if d is None:
+                    continue
+                completion_tokens += len(d.token_ids)
+                lp = None
+                if body.logprobs is not None:
+                    lp = R.completion_logprobs(self.token_text, d.token_ids, d.logprobs,
+                                               tracker.text_offset)
+                tracker.text_offset += len(d.text)
+                yield R.sse({**base, "choices": [{
+                    "index": index, "text": d.text, "logprobs": lp,
+                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+            if out.finished:
+                cached += out.num_cached_tokens
+        if body.stream_options and body.stream_options.include_usage:
+            yield R.sse({**base, "choices": [],
+                         "usage": R.usage(prompt_tokens, completion_tokens, cached)})
+        yield R.sse("[DONE]")
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        started = time.monotonic()
+        self.check_model(body.model)
+        self.check_n(body.n)
+        ids = self.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+        params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.submit(request_id, [ids], params)
+        model = self.config.served_model_name
+        if body.stream:
+            return StreamingResponse(self._stream_chat(request_id, model, streams, started,
+                                                       body, len(ids)),
+                                     media_type="text/event-stream")
+        (out,) = await self.collect(raw, streams, started)
+        choices = []
+        for c in out.outputs:
+            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": None, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if body.logprobs:
+                choice["logprobs"] = R.chat_logprobs(self.token_text, c.token_ids,
+                                                     c.logprobs or [], body.top_logprobs or 0)
+            choices.append(choice)
+        return JSONResponse({
+            **R.envelope(request_id, "chat.completion", model), "choices": choices,
+            "usage": R.usage(out.num_prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
+                             out.num_cached_tokens),
+        })
+
+    async def _stream_chat(self, request_id: str, model: str, streams: list[RequestStream],
+                           started: float, body: ChatCompletionRequest, prompt_tokens: int
+                           ) -> AsyncIterator[str]:
+        base = R.envelope(request_id, "chat.completion.chunk", model)
+        trackers: dict[int, R.ChoiceTracker] = {}
+        completion_tokens = cached = 0
+        for index in range(body.n):  # the role comes first, once per choice
+            yield R.sse({**base, "choices": [{"index": index, "delta": {"role": "assistant",
+                                                                        "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        async for _, out in self.merged(streams, started):
+            for c in out.outputs:
+                tracker = trackers.setdefault(c.index, R.ChoiceTracker())
+                d = tracker.delta(c)
+                if d is None:
+                    continue
+                completion_tokens += len(d.token_ids)
+                lp = None
+                if body.logprobs:
+                    lp = R.chat_logprobs(self.token_text, d.token_ids, d.logprobs,
+                                         body.top_logprobs or 0)
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                yield R.sse({**base, "choices": [{
+                    "index": c.index, "delta": delta, "logprobs": lp,
+                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+            if out.finished:
+                cached = out.num_cached_tokens
+        if body.stream_options and body.stream_options.include_usage:
+            yield R.sse({**base, "choices": [],
+                         "usage": R.usage(prompt_tokens, completion_tokens, cached)})
+        yield R.sse("[DONE]")

@@ -1,0 +1,89 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vmkv.engine.async_engine import EngineDeadError
+from vmkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("vmkv.server")
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          413: "BadRequestError", 422: "BadRequestError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
+
+
+_PARAMS = set(SamplingParams.__dataclass_fields__)
+
+
+class APIError(Exception):
+    """An error to return to the client with ``status`` in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg')}", None
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure leaves as an OpenAI-shaped JSON error, never a crash or an HTML page."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(400, f"malformed JSON body: {exc}")
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError) -> JSONResponse:
+        message = str(exc)
+        first = message.split(" ", 1)[0]
+        return error_response(400, message, first if first in _PARAMS else None)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,134 @@
+"""``/metrics``: Prometheus text with vLLM's metric names under a ``vmkv:`` prefix, plus the
+virtual-memory ones (reserved, mapped, in use, map/unmap calls and latency).
+
+Engine state is read on the engine thread (between steps) into a :class:`Snapshot`; request
+latencies are observed here, in the server, from what it streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.kv.virtual import VirtualKVCache
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+@dataclass
+class Snapshot:
+    """Engine numbers taken on the engine thread."""
+
+    running: int = 0
+    waiting: int = 0
+    usage: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    swapped_tokens: int = 0
+    memory_ops: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def take_snapshot(engine: LLMEngine) -> Snapshot:
+    """Read the engine's counters (call on the engine thread)."""
+    kv = engine.kv
+    ops = kv.backend.stats.as_dict() if isinstance(kv, VirtualKVCache) else {}
+    stats = engine.scheduler.stats
+    return Snapshot(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        usage=kv.usage.as_dict(),
+        prompt_tokens=engine.counters.prompt_tokens,
+        generation_tokens=engine.counters.generation_tokens,
+        finished=dict(engine.counters.finished),
+        preemptions=stats.num_preemptions,
+        recomputed_tokens=stats.num_recomputed_tokens,
+        swapped_tokens=stats.num_swapped_out_tokens,
+        memory_ops=ops,
+    )
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        s, name = self.metrics.snapshot, self.metrics.model_name
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"vmkv:{metric}", doc, labels=["model_name"])
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"vmkv:{metric}", doc, labels=["model_name"])
+            c.add_metric([name], value)
+            return c
+
+        u = s.usage
+        yield gauge("num_requests_running", "Sequences running in the engine.", s.running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
+        yield gauge("kv_cache_usage_perc", "KV capacity in use by live requests (0-1).",
+                    u.get("fraction", 0.0))
+        yield counter("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+        success = CounterMetricFamily("vmkv:request_success", "Finished requests by reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, count in sorted(s.finished.items()):
+            success.add_metric([name, reason], count)
+        yield success
+        yield counter("num_preemptions", "Preemptions.", s.preemptions)
+        yield counter("num_recomputed_tokens", "Tokens recomputed after preemption.",
+                      s.recomputed_tokens)
+        yield counter("num_swapped_tokens", "Tokens swapped out to host memory.",
+                      s.swapped_tokens)
+        # KV memory (vmkv): what live requests need, what is held, created, reserved
+        yield gauge("kv_capacity_bytes", "Physical KV budget.", u.get("capacity_bytes", 0))
+        yield gauge("kv_physical_bytes_in_use", "Physical KV bytes live requests need.",
+                    u.get("bytes_in_use", 0))
+        yield gauge("kv_physical_bytes_held", "Physical KV bytes held, incl. kept for reuse.",
+                    u.get("bytes_held", 0))
+        yield gauge("kv_physical_bytes_created", "Physical KV bytes created (not returned).",
+                    u.get("bytes_created", 0))
+        yield gauge("kv_token_bytes", "Bytes of live tokens' K/V.", u.get("token_bytes", 0))
+        yield gauge("kv_virtual_reserved_bytes", "Virtual address space reserved for KV.",
+                    u.get("virt_reserved_bytes", 0))
+        for op, stats in s.memory_ops.items():
+            yield counter(f"kv_{op}_calls", f"Page {op} calls.", stats["calls"])
+            yield counter(f"kv_{op}_pages", f"Pages passed to {op}.", stats["pages"])
+            yield counter(f"kv_{op}_seconds", f"Time in page {op} calls.",
+                          stats["total_ms"] / 1e3)
+            yield gauge(f"kv_{op}_latency_p50_seconds", f"Median recent {op} call latency.",
+                        stats["p50_us"] / 1e6)
+            yield gauge(f"kv_{op}_latency_p99_seconds", f"p99 recent {op} call latency.",
+                        stats["p99_us"] / 1e6)
+
+
+class Metrics:
+    """The registry: engine collector + request latency histograms."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot = Snapshot()
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(self))
+
+        def histogram(metric: str, doc: str) -> Histogram:
+            return Histogram(f"vmkv:{metric}", doc, ["model_name"], registry=self.registry,
+                             buckets=_LATENCY_BUCKETS).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency end to end.")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,112 @@
+"""Response bodies and stream chunks in OpenAI's shapes, from the engine's outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vmkv.engine.outputs import CompletionOutput
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: {json}\\n\\n`` (or the literal ``[DONE]``)."""
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {body}\n\n"
+
+
+def envelope(request_id: str, obj: str, model: str, created: int | None = None
+             ) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created or int(time.time()),
+            "model": model}
+
+
+class TokenText:
+    """Token id -> text, cached (decoding single tokens is hot in logprobs responses)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def completion_logprobs(token_text: TokenText, token_ids: list[int],
+                        logprobs: list[dict[int, float]], text_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, entry in zip(token_ids, logprobs, strict=False):
+        text = token_text(tok)
+        tokens.append(text)
+        token_lps.append(entry.get(tok))
+        tops.append({token_text(t): lp for t, lp in entry.items() if t != tok} or None)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_text: TokenText, token_ids: list[int],
+                  logprobs: list[dict[int, float]], num_top: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for tok, entry in zip(token_ids, logprobs, strict=False):
+        text = token_text(tok)
+        top = sorted(((t, lp) for t, lp in entry.items() if t != tok or num_top),
+                     key=lambda x: -x[1])[:num_top]
+        content.append({
+            "token": text, "logprob": entry.get(tok), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                              "bytes": list(token_text(t).encode())} for t, lp in top],
+        })
+    return {"content": content}
+
+
+@dataclass
+class ChoiceDelta:
+    """What one output added since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class ChoiceTracker:
+    """Remembers what was already streamed for one choice; outputs are cumulative."""
+
+    sent_text: int = 0
+    sent_tokens: int = 0
+    finished: bool = False
+    text_offset: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def delta(self, out: CompletionOutput) -> ChoiceDelta | None:
+        if self.finished:
+            return None
+        text = out.text[self.sent_text :]
+        new_ids = out.token_ids[self.sent_tokens :]
+        lps = (out.logprobs or [])[self.sent_tokens :]
+        if not text and not new_ids and out.finish_reason is None:
+            return None
+        self.sent_text = len(out.text)
+        self.sent_tokens = len(out.token_ids)
+        self.finished = out.finish_reason is not None
+        return ChoiceDelta(text, new_ids, lps, out.finish_reason, out.stop_reason)
