@@ -72,6 +72,25 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+class _ApiKey:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>`` (constant-time check).
+
+    Pure ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware wraps the receive
+    channel and hides client disconnects from the endpoints.
+    """
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application; ``engine`` must already run."""
     app = FastAPI(title="vmkv", version=vmkv.__version__)
@@ -82,14 +101,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     llm = engine.engine
     tokenizer = llm.tokenizer
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
-
+    if config.api_key:
+        app.add_middleware(_ApiKey, key=config.api_key)
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
@@ -285,7 +298,8 @@ class _Api:
                           "stop_reason": c.stop_reason}
                 if body.logprobs is not None:
                     choice["logprobs"] = R.completion_logprobs(
-                        self.token_text, c.token_ids, c.logprobs or [], len(echo[i]))
+                        self.token_text, c.token_ids, c.logprobs or [], len(echo[i]),
+                        body.logprobs)
                 choices.append(choice)
         return JSONResponse({
             **R.envelope(request_id, "text_completion", model), "choices": choices,
@@ -318,7 +332,7 @@ class _Api:
                 lp = None
                 if body.logprobs is not None:
                     lp = R.completion_logprobs(self.token_text, d.token_ids, d.logprobs,
-                                               tracker.text_offset)
+                                               tracker.text_offset, body.logprobs)
                 tracker.text_offset += len(d.text)
                 yield R.sse({**base, "choices": [{
                     "index": index, "text": d.text, "logprobs": lp,

@@ -46,15 +46,21 @@ class TokenText:
         return text
 
 
+def _top(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+    """The ``num_top`` most likely tokens of an entry (the sampled token plus the top k)."""
+    return sorted(entry.items(), key=lambda x: -x[1])[:num_top]
+
+
 def completion_logprobs(token_text: TokenText, token_ids: list[int],
-                        logprobs: list[dict[int, float]], text_offset: int) -> dict[str, Any]:
+                        logprobs: list[dict[int, float]], text_offset: int, num_top: int
+                        ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tok, entry in zip(token_ids, logprobs, strict=False):
         text = token_text(tok)
         tokens.append(text)
         token_lps.append(entry.get(tok))
-        tops.append({token_text(t): lp for t, lp in entry.items() if t != tok} or None)
+        tops.append({token_text(t): lp for t, lp in _top(entry, num_top)} or None)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -67,8 +73,7 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int],
     content = []
     for tok, entry in zip(token_ids, logprobs, strict=False):
         text = token_text(tok)
-        top = sorted(((t, lp) for t, lp in entry.items() if t != tok or num_top),
-                     key=lambda x: -x[1])[:num_top]
+        top = _top(entry, num_top)
         content.append({
             "token": text, "logprob": entry.get(tok), "bytes": list(text.encode()),
             "top_logprobs": [{"token": token_text(t), "logprob": lp,
