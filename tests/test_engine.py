@@ -120,7 +120,7 @@ def test_n_samples_share_the_prompt_kv(kv_mode: str) -> None:
         return peak, outs
 
     shared_peak, shared = peak_bytes({0: [("n4", prompt, params)]})
-    separate = [("s%d" % i, prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8,
+    separate = [(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8,
                                                       ignore_eos=True)) for i in range(4)]
     separate_peak, singles = peak_bytes({0: separate})
     # each sample equals the request run alone with the sample's seed (seed + index)
