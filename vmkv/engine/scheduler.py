@@ -4,7 +4,10 @@ Each step maps ``{seq_id: num_scheduled_tokens}`` under ``max_num_batched_tokens
 ``max_num_seqs``. Running sequences come first (a decode is 1 token; an unfinished prefill
 continues with as many as the budget allows); then, if nothing was preempted this step, waiting
 sequences are admitted first-come-first-served, their prompts prefilled in chunks that fill the
-rest of the budget. Strict FCFS: a waiting head that does not fit blocks the queue.
+rest of the budget. Strict FCFS: a waiting head that does not fit blocks the queue. A waiting
+sequence is admitted next to running ones only when its whole remaining prefill fits with room
+left for every running sequence's next token (admitting it earlier only gets it preempted and
+its chunks recomputed a step later).
 
 When the KV manager cannot grow a running sequence, the newest running sequence is preempted
 all-or-nothing and put back at the front of the queue:
@@ -133,6 +136,8 @@ class Scheduler:
                 break
             seqs += 1 + seq.pending_forks
             n = min(seq.num_new_tokens, budget)
+            if not self._leaves_headroom(seq):
+                break
             if seq.swapped is not None:
                 # swap in only when the next chunk fits too (no swap-in/out thrashing)
                 if not self.kv.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
@@ -153,6 +158,19 @@ class Scheduler:
         """Record that the step ran: scheduled tokens are now computed."""
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
+
+    def _leaves_headroom(self, seq: Sequence) -> bool:
+        """Admit only if the newcomer's whole remaining prefill fits and the running sequences
+        could still take their next token; otherwise it would be preempted (and its chunks
+        recomputed) a step or two later."""
+        if not self.running:
+            return True
+        total = seq.num_new_tokens + (seq.swapped.num_tokens if seq.swapped else 0)
+        need = self.kv.units_needed(seq.seq_id, total)
+        if need is None:
+            return False
+        reserve = sum(self.kv.units_needed(r.seq_id, 1) or 0 for r in self.running)
+        return need + reserve <= self.kv.free_units
 
     # -- preemption ---------------------------------------------------------------------------
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

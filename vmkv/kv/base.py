@@ -88,6 +88,16 @@ class KVCacheManager(ABC):
         """Whether :meth:`allocate` with the same arguments would succeed now (no side effects)."""
 
     @abstractmethod
+    def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
+        """Memory units (pages over all regions, or blocks) :meth:`allocate` would take, copies
+        included; None when the request could not get a slot at all."""
+
+    @property
+    @abstractmethod
+    def free_units(self) -> int:
+        """Units free or reclaimable now (the scheduler's admission headroom)."""
+
+    @abstractmethod
     def free(self, request_id: str) -> None:
         """Release everything ``request_id`` holds; unknown ids raise KeyError."""
 

@@ -129,9 +129,16 @@ class PagedKVCache(KVCacheManager):
         )
         return new_blocks, cow
 
-    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+    def units_needed(self, request_id: str, num_new_tokens: int) -> int:
         new_blocks, cow = self._plan(request_id, num_new_tokens)
-        return new_blocks + cow <= self.pool.num_free
+        return new_blocks + cow
+
+    @property
+    def free_units(self) -> int:
+        return self.pool.num_free
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        return self.units_needed(request_id, num_new_tokens) <= self.pool.num_free
 
     def allocate(self, request_id: str, num_new_tokens: int) -> bool:
         new_blocks, cow = self._plan(request_id, num_new_tokens)

@@ -150,6 +150,14 @@ class VirtualKVCache(KVCacheManager):
                 total += self._mapped[slot] - self.layout.pages_for(self._num_tokens[rid])
         return total * len(self.regions)
 
+    def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
+        slot, grow, cow = self._plan(request_id, num_new_tokens)
+        return None if slot is None else (grow + len(cow)) * len(self.regions)
+
+    @property
+    def free_units(self) -> int:
+        return self.pool.num_free + self._reclaimable(exclude=-1)
+
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         slot, grow, cow = self._plan(request_id, num_new_tokens)
         if slot is None:
