@@ -37,6 +37,14 @@ class MarkerRunner:
         self.kv = kv
         self.attn = create_attention_backend(kv)
 
+    def rows(self, seq_id: str, n: int) -> torch.Tensor:
+        """Flat cache rows of a sequence's first ``n`` tokens, from the KV manager itself."""
+        pos = torch.arange(n)
+        if self.kv.kv_mode == "virtual":
+            return self.kv.slot(seq_id) * self.kv.layout.slot_tokens + pos
+        table = torch.tensor(self.kv.block_table(seq_id), dtype=torch.int64)
+        return table[pos // self.kv.block_size] * self.kv.block_size + pos % self.kv.block_size
+
     def run(self, out) -> None:
         seqs = out.scheduled
         if not seqs:
@@ -45,9 +53,8 @@ class MarkerRunner:
         qlen = [out.num_scheduled_tokens[s.seq_id] for s in seqs]
         meta = self.attn.prepare([s.seq_id for s in seqs], ctx, qlen)
         k_flat = self.attn._flat[0][0]
-        for s, (start_or_rows), c in zip(seqs, meta.seq_rows, ctx, strict=True):
-            rows = (torch.arange(start_or_rows[0], start_or_rows[0] + c)
-                    if isinstance(start_or_rows, tuple) else start_or_rows[:c])
+        for s, c in zip(seqs, ctx, strict=True):
+            rows = self.rows(s.seq_id, c)
             want = torch.tensor([marker(t, p) for p, t in enumerate(s.token_ids[:c])])
             assert torch.equal(k_flat[rows, 0, 0], want), f"{s.seq_id}: cached KV corrupted"
         new = torch.tensor([marker(t, p) for s, c, n in zip(seqs, ctx, qlen, strict=True)

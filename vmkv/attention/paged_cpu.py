@@ -1,4 +1,5 @@
-"""Paged mode on CPU: gather each request's rows by block table, then SDPA.
+"""Paged mode on CPU: decodes read blocks in place through the block table; prefill chunks
+gather their rows by block table, then SDPA.
 
 Row of token ``t`` of a request: ``block_table[t // bs] * bs + t % bs`` in the flat
 ``[num_blocks * block_size, kv_heads, head_dim]`` view of a layer.
@@ -8,50 +9,75 @@ from __future__ import annotations
 
 import torch
 
+from vmkv.attention import cpu_decode
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_one
 from vmkv.kv.paged import PagedKVCache
 
 
 class PagedGatherBackend(AttentionBackend):
-    """One ``index_select`` gather per layer over all requests' block tables, then SDPA."""
+    """Batched in-place block-table decode kernel + gather-then-SDPA prefill."""
 
-    name = "paged-gather-sdpa"
+    name = "paged-cpu"
 
     def __init__(self, kv: PagedKVCache) -> None:
         self.kv = kv
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
+        self.batched_decode = cpu_decode.use_kernel(kv.spec.dtype)
+
+    def _rows(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+        bs = self.kv.block_size
+        pos = torch.arange(start, stop)
+        return torch.tensor(table, dtype=torch.int64)[pos // bs] * bs + pos % bs
 
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> AttentionMetadata:
-        bs = self.kv.block_size
+        tables = [self.kv.block_table(rid) for rid in request_ids]
+        idx, rows = cpu_decode.decode_positions(query_lens)
+        batched = self.batched_decode and bool(idx)
         seq_rows: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
-        for rid, ctx, n in zip(request_ids, context_lens, query_lens, strict=True):
-            table = torch.tensor(self.kv.block_table(rid), dtype=torch.int64)
-            pos = torch.arange(ctx + n)
-            rows = table[pos // bs] * bs + pos % bs
-            seq_rows.append(rows)
-            write.append(rows[ctx:])
-        gather = torch.cat(seq_rows)
+        for i, (table, ctx, n) in enumerate(zip(tables, context_lens, query_lens, strict=True)):
+            if batched and n == 1:  # the kernel reads it in place: only the new row is needed
+                seq_rows.append(torch.empty(0, dtype=torch.int64))
+                write.append(self._rows(table, ctx, ctx + 1))
+            else:
+                rows_i = self._rows(table, 0, ctx + n)
+                seq_rows.append(rows_i)
+                write.append(rows_i[ctx:])
+        extra: dict[str, object] = {"gather_rows": torch.cat(seq_rows)}
+        if batched:
+            width = max(len(tables[i]) for i in idx)
+            table_t = torch.zeros(len(idx), width, dtype=torch.int32)
+            for j, i in enumerate(idx):
+                table_t[j, : len(tables[i])] = torch.tensor(tables[i], dtype=torch.int32)
+            extra["decode"] = cpu_decode.DecodeBatch(
+                query_rows=cpu_decode.query_rows(rows, sum(query_lens)),
+                seq_lens=torch.tensor([context_lens[i] + 1 for i in idx], dtype=torch.int32),
+                block_table=table_t, block_size=self.kv.block_size)
         return AttentionMetadata(list(request_ids), list(context_lens), list(query_lens),
-                                 torch.cat(write), seq_rows, {"gather_rows": gather})
+                                 torch.cat(write), seq_rows, extra)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_flat, v_flat = self._flat[layer]
         k_flat.index_copy_(0, meta.write_rows, k)
         v_flat.index_copy_(0, meta.write_rows, v)
-        rows = meta.extra["gather_rows"]
-        k_all = k_flat.index_select(0, rows)  # [sum seq_len, kv_heads, D], a copy
-        v_all = v_flat.index_select(0, rows)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        batch = meta.extra.get("decode")
+        if batch is not None:
+            cpu_decode.run(batch, q, k_flat, v_flat, out, scale)
+        rows = meta.extra["gather_rows"]
+        if rows.numel():
+            k_all = k_flat.index_select(0, rows)  # [sum seq_len of gathered requests, H, D]
+            v_all = v_flat.index_select(0, rows)
         pos = kv_pos = 0
-        for ctx, n in zip(meta.context_lens, meta.query_lens, strict=True):
-            length = ctx + n
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_all[kv_pos : kv_pos + length],
-                                            v_all[kv_pos : kv_pos + length], ctx, scale)
+        for ctx, n, seq in zip(meta.context_lens, meta.query_lens, meta.seq_rows, strict=True):
+            length = len(seq)
+            if length:
+                out[pos : pos + n] = attend_one(q[pos : pos + n], k_all[kv_pos : kv_pos + length],
+                                                v_all[kv_pos : kv_pos + length], ctx, scale)
             pos += n
             kv_pos += length
         return out

@@ -1,13 +1,16 @@
-"""Virtual mode on CPU: SDPA straight on each request's strided view of its slot (no copies).
+"""Virtual mode on CPU: attention reads each request's slot in place (no copies).
 
 A request in slot ``s`` with ``L`` tokens reads flat rows ``[s*T, s*T + L)`` of the layer view,
-``T = slot_tokens``: all mapped, nothing past ``L`` is touched.
+``T = slot_tokens``: all mapped, nothing past ``L`` is touched. Decodes of a step go to one
+batched kernel call per layer (:mod:`vmkv.attention.cpu_decode`); prefill chunks use SDPA on
+the request's strided view.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vmkv.attention import cpu_decode
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_one
 from vmkv.kv.virtual import VirtualKVCache
@@ -23,9 +26,9 @@ def flat_rows(starts: torch.Tensor, context_lens: torch.Tensor, query_lens: torc
 
 
 class VirtualSdpaBackend(AttentionBackend):
-    """Per-request SDPA over ``[slot, :len]`` views of the virtual cache."""
+    """Batched in-place decode kernel + per-request SDPA prefill over ``[slot, :len]`` views."""
 
-    name = "virtual-sdpa"
+    name = "virtual-cpu"
 
     def __init__(self, kv: VirtualKVCache) -> None:
         self.kv = kv
@@ -33,15 +36,23 @@ class VirtualSdpaBackend(AttentionBackend):
         # [slots * slot_tokens, kv_heads, D] views per layer (a slot is exactly T token rows)
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
+        self.batched_decode = cpu_decode.use_kernel(kv.spec.dtype)
 
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> AttentionMetadata:
         starts = [self.kv.slot(rid) * self.slot_tokens for rid in request_ids]
-        write_rows = flat_rows(torch.tensor(starts), torch.tensor(context_lens),
-                               torch.tensor(query_lens))
+        starts_t, ctx_t = torch.tensor(starts), torch.tensor(context_lens)
+        write_rows = flat_rows(starts_t, ctx_t, torch.tensor(query_lens))
         seq_rows = [(s, c + q) for s, c, q in zip(starts, context_lens, query_lens, strict=True)]
+        extra: dict[str, object] = {}
+        idx, rows = cpu_decode.decode_positions(query_lens)
+        if self.batched_decode and idx:
+            sel = torch.tensor(idx)
+            extra["decode"] = cpu_decode.DecodeBatch(
+                query_rows=cpu_decode.query_rows(rows, len(write_rows)),
+                seq_lens=(ctx_t[sel] + 1).to(torch.int32), starts=starts_t[sel])
         return AttentionMetadata(list(request_ids), list(context_lens), list(query_lens),
-                                 write_rows, seq_rows, {})
+                                 write_rows, seq_rows, extra)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -49,10 +60,14 @@ class VirtualSdpaBackend(AttentionBackend):
         k_flat.index_copy_(0, meta.write_rows, k)
         v_flat.index_copy_(0, meta.write_rows, v)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        batch = meta.extra.get("decode")
+        if batch is not None:
+            cpu_decode.run(batch, q, k_flat, v_flat, out, scale)
         pos = 0
         for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
                                            strict=True):
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
-                                            v_flat[start : start + length], ctx, scale)
+            if n > 1 or batch is None:
+                out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
+                                                v_flat[start : start + length], ctx, scale)
             pos += n
         return out

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from vmkv.kernels.build import CSRC, build_shared_library
+
 __all__ = ["SOURCE", "build_and_load", "decode_contiguous", "decode_paged"]
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention.cu"
+SOURCE = CSRC / "paged_attention.cu"
 NVCC_FLAGS = ("-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC")
 HEAD_SIZES = (64, 128, 256)
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -57,20 +56,8 @@ def build_and_load(arch: str | None = None, build_dir: str | Path | None = None,
     if not os.path.exists(nvcc):
         raise RuntimeError("nvcc not found (PATH or $CUDA_HOME/bin): cannot build the CUDA twins")
     flags = (*NVCC_FLAGS, f"-arch={arch}")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    out_dir = Path(build_dir or os.environ.get("VMKV_BUILD_DIR", "~/.cache/vmkv/csrc"))
-    out_dir = out_dir.expanduser()
-    lib_path = out_dir / f"vmkv_paged_attention_{arch}_{digest}.so"
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        cmd = [nvcc, *flags, str(SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=not verbose, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-        os.replace(tmp, lib_path)  # atomic: concurrent builders never load a partial file
+    lib_path = build_shared_library(SOURCE, nvcc, flags, f"vmkv_paged_attention_{arch}",
+                                    build_dir, verbose)
     lib = ctypes.CDLL(str(lib_path))
     lib.vmkv_decode_attention.argtypes = _ARGTYPES
     lib.vmkv_decode_attention.restype = ctypes.c_int

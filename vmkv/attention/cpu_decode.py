@@ -1,0 +1,58 @@
+"""Decode requests of a CPU step, batched into one in-place kernel call per layer.
+
+A step mixes decodes (1 new token, attends over its cache) and prefill chunks. The CPU backends
+hand every decode to :func:`vmkv.kernels.cpu_attention.decode` at once (reading the cache in
+place: slot rows in virtual mode, block-table rows in paged mode) and run SDPA per prefill chunk,
+where the per-call cost is amortised over many tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vmkv.kernels import cpu_attention
+
+
+@dataclass
+class DecodeBatch:
+    """The decoding requests of a step and how to address their rows."""
+
+    query_rows: torch.Tensor | None  # rows of q/out that decode; None: every row decodes
+    seq_lens: torch.Tensor  # [n] int32, cached tokens + the new one
+    starts: torch.Tensor | None = None  # virtual: [n] int64 first flat row of each slot
+    block_table: torch.Tensor | None = None  # paged: [n, max_blocks] int32
+    block_size: int = 0
+
+
+def use_kernel(dtype: torch.dtype) -> bool:
+    """Whether decodes go to the batched kernel (float32 and a C++ compiler present)."""
+    return dtype == torch.float32 and cpu_attention.available()
+
+
+def decode_positions(query_lens: list[int]) -> tuple[list[int], list[int]]:
+    """(indices of decoding requests, query row of each), in batch order."""
+    idx, rows, pos = [], [], 0
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            idx.append(i)
+            rows.append(pos)
+        pos += n
+    return idx, rows
+
+
+def query_rows(rows: list[int], num_tokens: int) -> torch.Tensor | None:
+    return None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.int64)
+
+
+def run(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+        out: torch.Tensor, scale: float) -> None:
+    """Attend every decode of ``batch`` and write its rows of ``out [T, heads*D]``."""
+    qd = q if batch.query_rows is None else q.index_select(0, batch.query_rows)
+    res = cpu_attention.decode(qd, k_flat, v_flat, batch.seq_lens, scale, starts=batch.starts,
+                               block_table=batch.block_table, block_size=batch.block_size)
+    if batch.query_rows is None:
+        out.copy_(res)
+    else:
+        out.index_copy_(0, batch.query_rows, res)

@@ -1,0 +1,52 @@
+"""Compile a C/C++/CUDA source into a cached shared library and open it with ctypes.
+
+Builds are keyed by the source's hash and the flags, cached under ``$VMKV_BUILD_DIR`` (default
+``~/.cache/vmkv/csrc``) and published with an atomic rename, so concurrent builders never load a
+partial file. The libraries have a plain C ABI and link no torch: no torch headers to compile,
+no dependence on torch's C++ ABI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("VMKV_BUILD_DIR", "~/.cache/vmkv/csrc")).expanduser()
+
+
+def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name: str,
+                         out_dir: str | Path | None = None, verbose: bool = False) -> Path:
+    """Path of ``source`` built with ``compiler flags``; builds it if no cached copy exists.
+
+    Raises RuntimeError with the compiler's output when the build fails.
+    """
+    if not source.is_file():
+        raise RuntimeError(f"kernel source {source} is missing (vmkv needs its source tree)")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out = Path(out_dir).expanduser() if out_dir else build_dir()
+    lib_path = out / f"{name}_{digest}.so"
+    if lib_path.exists():
+        return lib_path
+    out.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out)
+    os.close(fd)
+    cmd = [compiler, *flags, str(source), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=not verbose, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"build failed ({' '.join(cmd)}):\n{proc.stderr}")
+    os.replace(tmp, lib_path)
+    return lib_path
+
+
+def load(path: Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(path))

@@ -1,0 +1,99 @@
+"""CPU twins: batched decode attention reading the KV cache in place (``csrc/cpu_attention.cpp``).
+
+One call per layer covers every decoding request: contiguous slots (virtual mode, row
+``start + t``) or a block table (paged mode, row ``table[t // bs] * bs + t % bs``). The same
+loops run in both modes, so they produce bit-identical outputs on the same data. float32 only.
+
+The library builds once with ``g++ -O3 -fopenmp`` (about a second; cached, see
+:mod:`vmkv.kernels.build`). Where no compiler is available :func:`available` is False and the
+attention backends fall back to per-request SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import shutil
+
+import torch
+
+from vmkv.kernels.build import CSRC, build_shared_library, load
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "cpu_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [
+    _PTR, _I64, _I64,  # q, q strides (batch, head)
+    _PTR, _PTR, _I64, _I64,  # k, v, row stride, head stride
+    _PTR, _PTR, _I64, _I64,  # starts, block table, table row stride, block size
+    _PTR, _I64, _I64, _I64, _I64,  # seq lens, batch, heads, kv heads, head dim
+    ctypes.c_float,  # scale
+    _PTR, _I64, _I64,  # out, out strides (batch, head)
+]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler: CPU decode attention falls back to per-request SDPA")
+        return None
+    try:
+        lib = load(build_shared_library(SOURCE, compiler, FLAGS, "vmkv_cpu_attention"))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("CPU attention kernel unavailable (%s); using per-request SDPA", exc)
+        return None
+    lib.vmkv_cpu_decode_attention.argtypes = _ARGTYPES
+    lib.vmkv_cpu_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (builds it on first call)."""
+    return _lib() is not None
+
+
+def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tensor,
+           scale: float, *, starts: torch.Tensor | None = None,
+           block_table: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
+    """Decode attention of ``q [B, heads, D]`` over flat cache rows ``[rows, kv_heads, D]``.
+
+    Exactly one of ``starts`` (int64 ``[B]``: first row of each request's contiguous run) or
+    ``block_table`` (int32 ``[B, max_blocks]`` with ``block_size``) addresses the rows; request
+    ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else. Returns
+    ``[B, heads * D]`` float32.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+    if q.dtype != torch.float32 or k_rows.dtype != torch.float32:
+        raise ValueError(f"the CPU decode kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
+    if (starts is None) == (block_table is None):
+        raise ValueError("give exactly one of starts or block_table")
+    if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    batch, heads, dim = q.shape
+    kv_heads = k_rows.shape[1]
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    lens = seq_lens.to(torch.int32).contiguous()
+    table_stride = 0
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+        table_stride = block_table.stride(0)
+    else:
+        starts = starts.to(torch.int64).contiguous()
+    err = lib.vmkv_cpu_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
+        starts.data_ptr() if starts is not None else None,
+        block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
+        lens.data_ptr(), batch, heads, kv_heads, dim, float(scale),
+        out.data_ptr(), out.stride(0), out.stride(1),
+    )
+    if err:
+        raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "
+                         f"k {tuple(k_rows.shape)}, block_size {block_size}")
+    return out.view(batch, heads * dim)
