@@ -69,8 +69,103 @@ def cmd_bench_vmm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from vmkv.bench import common, hf_baseline, plots, throughput
+    from vmkv.bench.workloads import spec_from_args
+
+    requests, workload = common.workload_for_model(spec_from_args(args), args.model)
+    modes = ["virtual", "paged"] if args.kv_mode == "both" else [args.kv_mode]
+    configs = {m: engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m}))
+               for m in modes}
+    result = throughput.run(configs, requests, repeats=args.repeats,
+                            warmup_prompts=args.warmup_prompts, progress=not args.no_progress)
+    if args.baseline == "hf":
+        from vmkv.models import resolve_model
+
+        hf = hf_baseline.run(resolve_model(args.model, progress=False), requests,
+                             batch_size=args.hf_batch_size, progress=not args.no_progress)
+        result["hf"] = hf
+        result["ratio_vs_hf"] = {m: s["output_tokens_per_s"] / hf["output_tokens_per_s"]
+                                 for m, s in result["summary"].items()}
+    result = {"bench": "throughput", "options": common.options(args), "workload": workload,
+              **result}
+    for mode, s in result["startup"].items():
+        print(f"{mode}: engine built in {s['engine_init_s']:.2f} s, first token "
+              f"{s['startup_to_first_token_s']:.2f} s after construction began")
+    common.finish(result, throughput.table_rows(result), throughput.COLUMNS, args.json,
+                  plots.throughput, args.plot)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from vmkv.bench import common, plots, serve
+    from vmkv.bench.launch import LaunchedServer
+    from vmkv.bench.workloads import spec_from_args
+    from vmkv.models import load_tokenizer, resolve_model
+
+    requests, workload = common.workload_for_model(spec_from_args(args), args.launch_model,
+                                                   args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or resolve_model(args.launch_model,
+                                                               progress=False))
+    server_argv = [args.launch_model] if args.launch_model else []
+    launched = (LaunchedServer(server_argv + common.engine_argv(args)) if args.launch
+                else contextlib.nullcontext())
+    with launched as srv:
+        base_url = srv.base_url if args.launch else args.base_url
+        model = args.model or serve.first_model(base_url, args.api_key)
+        target = serve.ServeTarget(base_url, model, args.endpoint, args.api_key)
+        runs = [serve.run(target, requests, request_rate=rate, burstiness=args.burstiness,
+                          max_concurrency=args.max_concurrency, seed=args.seed,
+                          tokenizer=tokenizer, progress=not args.no_progress)
+                for rate in args.request_rate]
+    result = {"bench": "serve", "options": common.options(args), "workload": workload,
+              "server": {"base_url": base_url, "model": model, "launched": args.launch,
+                         "startup_s": srv.startup_s if args.launch else None},
+              "runs": runs}
+    common.finish(result, serve.table_rows(result), serve.COLUMNS, args.json, plots.serve,
+                  args.plot)
+    return 0
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from vmkv.bench import common, kernels, plots
+
+    result = kernels.run(args.batch_sizes, args.context_lens, phases=args.phases,
+                         prefill_len=args.prefill_len, layout=args.kv_layout,
+                         block_size=args.block_size, repeats=args.repeats, warmup=args.warmup,
+                         max_tokens=args.max_tokens, cuda=not args.no_cuda,
+                         progress=not args.no_progress)
+    result = {"bench": "kernels", "options": common.options(args), **result}
+    common.finish(result, result["rows"], kernels.COLUMNS, args.json, plots.kernels, args.plot)
+    for what in result["skipped"]:
+        print(f"skipped {what} (over --max-tokens {args.max_tokens})")
+    return 0
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from vmkv.bench import common, startup
+
+    argv = (["--model", args.model] if args.model else []) + common.engine_argv(args)
+    result = {"bench": "startup", "options": common.options(args),
+              **startup.run(argv, repeats=args.repeats)}
+    common.finish(result, result["rows"], startup.COLUMNS, args.json)
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from vmkv.bench.memory import SEED_LENGTHS, SMOLLM2_135M
+    from vmkv.bench.workloads import add_workload_args
+
+    def _rates(text: str) -> list[float]:
+        try:
+            rates = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            rates = []
+        if not rates or min(rates) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive rates or inf, got {text!r}")
+        return rates
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
@@ -94,6 +189,73 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="backends to measure; unavailable ones are reported and skipped")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_bench_vmm)
+
+    p = bench.add_parser("throughput", conflict_handler="resolve",
+                         help="offline throughput, all requests at once (vLLM's bench throughput)")
+    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2)")
+    add_engine_args(p)
+    p.add_argument("--kv-mode", choices=["virtual", "paged", "both"], default="virtual",
+                   help="both: build both engines, run them alternately, print virtual/paged")
+    add_workload_args(p, default="random", num_prompts=64)
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per mode")
+    p.add_argument("--warmup-prompts", type=int, default=8,
+                   help="requests of the workload run once per engine before measuring")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also run HF transformers generate with static batches")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.set_defaults(func=cmd_bench_throughput)
+
+    p = bench.add_parser("serve", conflict_handler="resolve",
+                         help="load an OpenAI-compatible server (vLLM's bench serve metrics)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server to load (ignored with --launch)")
+    p.add_argument("--model", default=None,
+                   help="model name in the requests (default: the server's first model)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=os.environ.get("VMKV_API_KEY"))
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder for the prompts' vocabulary (default: vmkv's model)")
+    p.add_argument("--request-rate", type=_rates, default=[float("inf")],
+                   help="requests/s, comma-separated for several runs; inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    add_workload_args(p, default="random", num_prompts=64)
+    p.add_argument("--launch", action="store_true",
+                   help="start vmkv serve on a free port with the engine options, then stop it")
+    p.add_argument("--launch-model", default=None, help="model folder for --launch")
+    add_engine_args(p)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.set_defaults(func=cmd_bench_serve)
+
+    p = bench.add_parser("kernels", help="attention alone: virtual slots vs block tables")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
+    p.add_argument("--context-lens", type=_int_list, default=[256, 1024, 4096])
+    p.add_argument("--phases", type=lambda s: s.split(","), default=["decode", "prefill"])
+    p.add_argument("--prefill-len", type=int, default=256, help="new tokens per prefill chunk")
+    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32768,
+                   help="skip CPU points with batch x context above this (memory)")
+    p.add_argument("--no-cuda", action="store_true", help="skip the Triton twins on CUDA")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.set_defaults(func=cmd_bench_kernels)
+
+    p = bench.add_parser("startup", help="process start to first token, in fresh processes")
+    p.add_argument("--model", default=None)
+    add_engine_args(p)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=cmd_bench_startup)
 
 
 # -- engine options shared by serve / generate / bench ---------------------------------------------

@@ -8,12 +8,22 @@ from vmkv.kv.base import KVCacheManager
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]
 
 
-def create_attention_backend(kv: KVCacheManager) -> AttentionBackend:
-    """The backend for ``kv``'s mode on ``kv``'s device."""
+def create_attention_backend(kv: KVCacheManager, kernel: str | None = None) -> AttentionBackend:
+    """The backend for ``kv``'s mode on ``kv``'s device.
+
+    CPU: SDPA on slot views (virtual) or a block-table gather (paged). CUDA: FlashAttention-2
+    on the slot views (virtual) or the paged Triton twin / flash-attn block tables (paged).
+    ``kernel`` (CUDA only; default ``$VMKV_ATTENTION_BACKEND`` or "auto") picks the CUDA kernel:
+    "auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa" (see
+    :mod:`vmkv.attention.cuda_common`).
+    """
     from vmkv.kv.paged import PagedKVCache
     from vmkv.kv.virtual import VirtualKVCache
 
     if kv.device.type == "cpu":
+        if kernel is not None:
+            raise ValueError(f"kernel={kernel!r} selects a CUDA attention kernel; the KV cache "
+                             "is on the CPU")
         if isinstance(kv, VirtualKVCache):
             from vmkv.attention.virtual_cpu import VirtualSdpaBackend
 
@@ -22,4 +32,13 @@ def create_attention_backend(kv: KVCacheManager) -> AttentionBackend:
             from vmkv.attention.paged_cpu import PagedGatherBackend
 
             return PagedGatherBackend(kv)
+    if kv.device.type == "cuda":
+        if isinstance(kv, VirtualKVCache):
+            from vmkv.attention.virtual_cuda import VirtualCudaBackend
+
+            return VirtualCudaBackend(kv, kernel)
+        if isinstance(kv, PagedKVCache):
+            from vmkv.attention.paged_cuda import PagedCudaBackend
+
+            return PagedCudaBackend(kv, kernel)
     raise ValueError(f"no attention backend for kv_mode={kv.kv_mode!r} on {kv.device}")

@@ -38,7 +38,7 @@ class PagedGatherBackend(AttentionBackend):
         batched = self.batched_decode and bool(idx)
         seq_rows: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
-        for i, (table, ctx, n) in enumerate(zip(tables, context_lens, query_lens, strict=True)):
+        for table, ctx, n in zip(tables, context_lens, query_lens, strict=True):
             if batched and n == 1:  # the kernel reads it in place: only the new row is needed
                 seq_rows.append(torch.empty(0, dtype=torch.int64))
                 write.append(self._rows(table, ctx, ctx + 1))

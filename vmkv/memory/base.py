@@ -98,5 +98,9 @@ class MemoryBackend(ABC):
     def synchronize(self) -> None:
         """Wait until no queued kernel can still read memory about to be unmapped."""
 
+    def bind_thread(self) -> None:
+        """Prepare the calling thread for driver calls (CUDA: make the device's context
+        current); a background mapper calls it first on its thread."""
+
     def close(self) -> None:
         """Release everything the backend itself holds (pool file, handles)."""

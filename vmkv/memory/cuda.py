@@ -77,7 +77,8 @@ class CudaMemoryBackend(MemoryBackend):
             self._call("cuInit", 0)  # no libcuda: cuda.pathfinder raises a RuntimeError subclass
         except RuntimeError as exc:
             raise BackendUnavailable(f"CUDA VMM unavailable: {exc}") from exc
-        if driver is None:
+        self._torch_owned = driver is None  # a fake driver (tests) has no torch context
+        if self._torch_owned:
             _init_torch_context(self.device)
         self._dev = self._call("cuDeviceGet", self.device.index)
         self._ensure_context()
@@ -195,6 +196,13 @@ class CudaMemoryBackend(MemoryBackend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def bind_thread(self) -> None:
+        """Make the device's primary context current in this thread (torch's runtime calls
+        and these driver calls then share it; pitfall 6 of reference/gpu.md)."""
+        if self._torch_owned:
+            torch.cuda.set_device(self.device)
+        self._ensure_context()
 
     def close(self) -> None:
         for page_id, handle in enumerate(self._handles):
