@@ -186,13 +186,14 @@ class _Api:
         return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
     # -- submit / collect ---------------------------------------------------------------------
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams
-                     ) -> list[RequestStream]:
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     cache_salt: str | None) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none."""
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add(f"{request_id}-{i}", ids, params))
+                streams.append(await self.engine.add(f"{request_id}-{i}", ids, params,
+                                                     cache_salt))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -281,7 +282,7 @@ class _Api:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, prompts, params)
+        streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
         echo = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
@@ -352,7 +353,7 @@ class _Api:
         ids = self.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
         params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(request_id, [ids], params)
+        streams = await self.submit(request_id, [ids], params, body.cache_salt)
         model = self.config.served_model_name
         if body.stream:
             return StreamingResponse(self._stream_chat(request_id, model, streams, started,

@@ -36,6 +36,9 @@ class Snapshot:
     recomputed_tokens: int = 0
     swapped_tokens: int = 0
     memory_ops: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_enabled: bool = False
 
 
 def take_snapshot(engine: LLMEngine) -> Snapshot:
@@ -54,6 +57,9 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         recomputed_tokens=stats.num_recomputed_tokens,
         swapped_tokens=stats.num_swapped_out_tokens,
         memory_ops=ops,
+        prefix_queries=kv.prefix.queries if kv.prefix is not None else 0,
+        prefix_hits=kv.prefix.hits if kv.prefix is not None else 0,
+        prefix_enabled=kv.prefix is not None,
     )
 
 
@@ -91,6 +97,13 @@ class _EngineCollector(Collector):
                       s.recomputed_tokens)
         yield counter("num_swapped_tokens", "Tokens swapped out to host memory.",
                       s.swapped_tokens)
+        if s.prefix_enabled:
+            yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          s.prefix_queries)
+            yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                          s.prefix_hits)
+            yield gauge("kv_prefix_cached_bytes", "KV bytes held only by the prefix cache "
+                        "(evictable, not in use).", u.get("bytes_cached", 0))
         # KV memory (vmkv): what live requests need, what is held, created, reserved
         yield gauge("kv_capacity_bytes", "Physical KV budget.", u.get("capacity_bytes", 0))
         yield gauge("kv_physical_bytes_in_use", "Physical KV bytes live requests need.",

@@ -42,6 +42,7 @@ class _Sampling(_Base):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # requests with different salts never share cached KV
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError naming the bad field."""

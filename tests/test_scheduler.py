@@ -59,7 +59,8 @@ class MarkerRunner:
             assert torch.equal(k_flat[rows, 0, 0], want), f"{s.seq_id}: cached KV corrupted"
         new = torch.tensor([marker(t, p) for s, c, n in zip(seqs, ctx, qlen, strict=True)
                             for p, t in enumerate(s.token_ids[c : c + n], start=c)])
-        k_flat[meta.write_rows] = new.view(-1, 1, 1).expand(-1, 1, SPEC.head_dim)
+        spec = self.kv.spec
+        k_flat[meta.write_rows] = new.view(-1, 1, 1).expand(-1, spec.num_kv_heads, spec.head_dim)
 
 
 def run_all(kv_mode: str, kv_bytes: int, preemption: str, prompts: list[list[int]],

@@ -24,6 +24,8 @@ class CacheConfig:
         max_idle_bytes: memory kept for reuse when no request needs it (deferred slots and idle
             pool pages each); beyond it, memory goes back to the OS/driver. None keeps all.
         precreate: create every physical page at start-up (CUDA: the hot path only maps).
+        enable_prefix_caching: share KV of common prefixes across requests (pages or blocks).
+        prefix_cache_hash: "sha256" (default; collision-safe across tenants) or "builtin".
     """
 
     kv_mode: str = "virtual"
@@ -34,6 +36,8 @@ class CacheConfig:
     premap_pages: int = 0
     max_idle_bytes: int | None = None
     precreate: bool = False
+    enable_prefix_caching: bool = False
+    prefix_cache_hash: str = "sha256"
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -48,5 +52,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.premap_pages < 0:
             raise ValueError(f"premap_pages must be >= 0, got {self.premap_pages}")
+        if self.prefix_cache_hash not in ("sha256", "builtin"):
+            raise ValueError(f"prefix_cache_hash must be 'sha256' or 'builtin', "
+                             f"got {self.prefix_cache_hash!r}")
         if self.max_idle_bytes is not None and self.max_idle_bytes < 0:
             raise ValueError(f"max_idle_bytes must be >= 0 or None, got {self.max_idle_bytes}")

@@ -29,6 +29,7 @@ class LLM:
         page_size: virtual page size in bytes (None: 64 KiB host, driver granularity on CUDA).
         kv_layout: "all-layers" or "per-layer" (virtual mode).
         block_size: tokens per block (paged mode).
+        enable_prefix_caching: share the KV of common prompt prefixes across requests.
         max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, seed:
             as in :class:`~vmkv.engine.config.EngineConfig`.
     """
@@ -51,11 +52,13 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         preemption_mode: str = "recompute",
         seed: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         cache = CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_cache_memory,
                             page_size=page_size, layout=kv_layout, block_size=block_size,
                             premap_pages=premap_pages, max_idle_bytes=max_idle_memory,
-                            precreate=device != "cpu")
+                            precreate=device != "cpu",
+                            enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -83,14 +83,14 @@ class AsyncEngine:
         self._thread.start()
 
     # -- caller side (event loop) -------------------------------------------------------------
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                  ) -> RequestStream:
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns once the engine accepted it.
 
         Raises ValueError (bad request, nothing queued) or EngineDeadError.
         """
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        await self._call("add", (request_id, prompt, params, stream))
+        await self._call("add", (request_id, prompt, params, cache_salt, stream))
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],
@@ -159,8 +159,8 @@ class AsyncEngine:
     def _handle(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
         try:
             if kind == "add":
-                request_id, prompt, params, stream = payload
-                self.engine.add_request(request_id, prompt, params)
+                request_id, prompt, params, cache_salt, stream = payload
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 self._streams[request_id] = stream
                 result = None
             elif kind == "abort":

@@ -104,9 +104,12 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, arrival_time: float | None = None
-                    ) -> Request:
-        """Validate and queue a request; ValueError (nothing queued) for bad input."""
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate and queue a request; ValueError (nothing queued) for bad input.
+
+        ``cache_salt``: requests with different salts never share prefix-cached KV.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -118,7 +121,9 @@ class LLMEngine:
         if len(ids) > self.kv.capacity_tokens:
             raise ValueError(f"the prompt ({len(ids)} tokens) can never fit in the KV cache "
                              f"({self.kv.capacity_tokens} tokens)")
-        req = Request(request_id, ids, params, max_tokens, prompt=text)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         seq = self._new_sequence(req, 0, list(ids))

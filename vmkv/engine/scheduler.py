@@ -135,8 +135,10 @@ class Scheduler:
             if seqs + 1 + seq.pending_forks > self.max_num_seqs:
                 break
             seqs += 1 + seq.pending_forks
+            hit = self._match_prefix(seq)
             n = min(seq.num_new_tokens, budget)
             if not self._leaves_headroom(seq):
+                self._unmatch(seq, hit)
                 break
             if seq.swapped is not None:
                 # swap in only when the next chunk fits too (no swap-in/out thrashing)
@@ -145,6 +147,7 @@ class Scheduler:
                     break
                 self._swap_in(seq)
             if not self.kv.allocate(seq.seq_id, n):
+                self._unmatch(seq, hit)
                 self._finish_if_hopeless(seq, out)
                 break
             self.waiting.popleft()
@@ -155,9 +158,31 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: scheduled tokens are now computed."""
+        """Record that the step ran: scheduled tokens are now computed (and their completed
+        units published to the prefix cache)."""
+        caching = self.kv.prefix is not None
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
+            if caching:
+                self.kv.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                       seq.request.cache_salt)
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Cached tokens for a sequence about to be admitted fresh (0 if none)."""
+        if seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None:
+            return 0
+        hit = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        seq.num_computed_tokens = hit
+        if seq.request.first_scheduled_time is None:  # first admission: what the user sees
+            seq.request.num_cached_tokens = hit
+        return hit
+
+    def _unmatch(self, seq: Sequence, hit: int) -> None:
+        """Admission failed after a prefix hit: give the hit back (the cache keeps it)."""
+        if hit:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
 
     def _leaves_headroom(self, seq: Sequence) -> bool:
         """Admit only if the newcomer's whole remaining prefill fits and the running sequences

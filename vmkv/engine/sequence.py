@@ -39,7 +39,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_salt: str | None = None  # requests with different salts never share cached KV
 
     @property
     def is_finished(self) -> bool:

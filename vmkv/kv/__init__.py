@@ -35,7 +35,9 @@ def create_kv_cache(
             raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds no block of "
                              f"{block_bytes} B")
         return PagedKVCache(spec, num_blocks=num_blocks, block_size=config.block_size,
-                            max_model_len=max_model_len, device=device)
+                            max_model_len=max_model_len, device=device,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            prefix_cache_hash=config.prefix_cache_hash)
 
     from vmkv.memory import PagePool, create_backend, default_run_budget
 
@@ -58,4 +60,6 @@ def create_kv_cache(
     )
     return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
                           layout=config.layout, premap_pages=config.premap_pages,
-                          max_idle_pages=idle_pages)
+                          max_idle_pages=idle_pages,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          prefix_cache_hash=config.prefix_cache_hash)

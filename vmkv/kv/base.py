@@ -37,6 +37,8 @@ class KVUsage:
     ``bytes_in_use`` counts memory that live requests' tokens need (shared pages or blocks once).
     ``bytes_held`` adds what the manager keeps mapped for reuse beyond that (deferred slots,
     pre-mapped tail pages); ``bytes_created`` adds idle pool pages not yet returned to the OS.
+    ``bytes_cached`` is memory only the prefix cache holds: reusable by a later request with the
+    same prefix, evicted when memory is needed (users misread it as "in use" elsewhere).
     """
 
     num_requests: int
@@ -47,6 +49,7 @@ class KVUsage:
     bytes_created: int
     token_bytes: int  # bytes the live tokens themselves occupy (the useful part)
     virt_reserved_bytes: int
+    bytes_cached: int = 0  # held only by the prefix cache (evictable; not "in use")
 
     @property
     def fraction(self) -> float:
@@ -138,6 +141,18 @@ class KVCacheManager(ABC):
 
     def close(self) -> None:
         """Release all memory; the manager is unusable afterwards."""
+
+    # -- prefix caching (off unless the manager enables it; see vmkv.kv.prefix) -----------------
+    prefix = None
+
+    def match_prefix(self, request_id: str, token_ids: list[int],
+                     cache_salt: str | None = None) -> int:
+        """Cached tokens given to a new request (0 when prefix caching is off)."""
+        return 0
+
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
+                       cache_salt: str | None = None) -> None:
+        """Publish the request's completely computed units to the prefix cache (no-op if off)."""
 
     def has_request(self, request_id: str) -> bool:
         return self.num_tokens(request_id) > 0 or request_id in self.request_ids()

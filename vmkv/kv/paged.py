@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
+from vmkv.kv.prefix import PrefixCachingMixin
 from vmkv.kv.spec import KVSpec
 
 
@@ -62,7 +63,7 @@ class BlockPool:
             self.free_queue.append(block)
 
 
-class PagedKVCache(KVCacheManager):
+class PagedKVCache(PrefixCachingMixin, KVCacheManager):
     """Block-table KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     kv_mode = "paged"
@@ -75,6 +76,8 @@ class PagedKVCache(KVCacheManager):
         block_size: int = 16,
         max_model_len: int,
         device: str | torch.device = "cpu",
+        enable_prefix_caching: bool = False,
+        prefix_cache_hash: str = "sha256",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -89,6 +92,7 @@ class PagedKVCache(KVCacheManager):
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.block_tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
+        self._init_prefix_cache(enable_prefix_caching, prefix_cache_hash)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -135,13 +139,16 @@ class PagedKVCache(KVCacheManager):
 
     @property
     def free_units(self) -> int:
-        return self.pool.num_free
+        return self.pool.num_free + self._num_evictable()
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
-        return self.units_needed(request_id, num_new_tokens) <= self.pool.num_free
+        need = self.units_needed(request_id, num_new_tokens)
+        return need <= self.pool.num_free or need <= self.free_units
 
     def allocate(self, request_id: str, num_new_tokens: int) -> bool:
         new_blocks, cow = self._plan(request_id, num_new_tokens)
+        if new_blocks + cow > self.pool.num_free:
+            self._evict_cached(new_blocks + cow - self.pool.num_free)
         got = self.pool.allocate(new_blocks + cow)
         if got is None:
             return False
@@ -166,6 +173,7 @@ class PagedKVCache(KVCacheManager):
             self.pool.retain(block)
         self.block_tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._inherit_prefix(parent_id, child_id)
         return True
 
     def free(self, request_id: str) -> None:
@@ -173,6 +181,35 @@ class PagedKVCache(KVCacheManager):
         del self._num_tokens[request_id]
         for block in reversed(table):  # all or nothing; tail blocks reach the queue first
             self.pool.release(block)
+        self._forget_prefix(request_id)
+
+    # -- prefix-caching hooks (see vmkv.kv.prefix) --------------------------------------------
+    def _unit_span(self, i: int) -> tuple[int, int]:
+        return i * self.block_size, (i + 1) * self.block_size
+
+    def _unit_payload(self, request_id: str, i: int) -> int:
+        return self.block_tables[request_id][i]
+
+    def _hold(self, block: int) -> None:
+        self.pool.retain(block)
+
+    def _unhold(self, block: int) -> None:
+        self.pool.release(block)
+
+    def _is_cache_only(self, block: int) -> bool:
+        return self.pool.ref_cnt[block] == 1
+
+    def _payload_units(self, block: int) -> int:
+        return 1
+
+    def _adopt(self, request_id: str, blocks: list[int]) -> int:
+        if request_id in self.block_tables:
+            raise ValueError(f"match_prefix for {request_id!r}, which already holds KV")
+        for block in blocks:
+            self.pool.retain(block)
+        self.block_tables[request_id] = list(blocks)
+        self._num_tokens[request_id] = len(blocks) * self.block_size
+        return len(blocks) * self.block_size
 
     def swap_out(self, request_id: str) -> SwappedKV:
         table = torch.tensor(self.block_tables[request_id], device=self.device)
@@ -193,18 +230,20 @@ class PagedKVCache(KVCacheManager):
     # -- accounting ---------------------------------------------------------------------------
     @property
     def usage(self) -> KVUsage:
-        in_use = self.pool.num_in_use * self.block_bytes
+        cached = set(self._cache_holds())
+        cached_only = sum(1 for b in cached if self.pool.ref_cnt[b] == 1)
+        held = self.pool.num_in_use * self.block_bytes
         capacity = self.pool.num_blocks * self.block_bytes
-        tokens = sum(self._num_tokens.values())
         return KVUsage(
             num_requests=len(self.block_tables),
-            num_tokens=tokens,
+            num_tokens=sum(self._num_tokens.values()),
             capacity_bytes=capacity,
-            bytes_in_use=in_use,
-            bytes_held=in_use,
+            bytes_in_use=held - cached_only * self.block_bytes,
+            bytes_held=held,
             bytes_created=capacity,
             token_bytes=self._unique_token_bytes(),
             virt_reserved_bytes=0,
+            bytes_cached=cached_only * self.block_bytes,
         )
 
     def _unique_token_bytes(self) -> int:
@@ -223,7 +262,9 @@ class PagedKVCache(KVCacheManager):
             assert len(table) == self._blocks_for(self._num_tokens[rid]), rid
             for block in table:
                 refs[block] += 1
-        assert refs == self.pool.ref_cnt, "block ref counts disagree with the block tables"
+        for block in self._cache_holds():
+            refs[block] += 1
+        assert refs == self.pool.ref_cnt, "block ref counts disagree with tables + cache"
         free = set(self.pool.free_queue)
         assert len(free) == len(self.pool.free_queue), "a block is queued twice"
         assert all((refs[b] == 0) == (b in free) for b in range(self.pool.num_blocks))

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
+from vmkv.kv.prefix import PrefixCachingMixin
 from vmkv.kv.spec import KVSpec, VirtualLayout
 from vmkv.memory.base import MappingBudgetExceeded
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import UNMAPPED, VirtualRegion
 
 
-class VirtualKVCache(KVCacheManager):
+class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
     """vAttention-style KV cache over a :class:`PagePool` (host or CUDA pages)."""
 
     kv_mode = "virtual"
@@ -45,6 +46,8 @@ class VirtualKVCache(KVCacheManager):
         layout: str = "all-layers",
         premap_pages: int = 0,
         max_idle_pages: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_cache_hash: str = "sha256",
     ) -> None:
         """Args:
         spec: per-token KV shape.
@@ -55,6 +58,9 @@ class VirtualKVCache(KVCacheManager):
         premap_pages: extra pages (per region) mapped ahead of need when the pool has them free.
         max_idle_pages: pages idle slots may keep mapped for reuse (None: no limit; they are
             reclaimed on demand either way).
+        enable_prefix_caching: share pages of common prefixes across requests (the unit is a
+            page; its hash covers every token overlapping it, see :mod:`vmkv.kv.prefix`).
+        prefix_cache_hash: "sha256" or "builtin".
         """
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
@@ -85,6 +91,7 @@ class VirtualKVCache(KVCacheManager):
         self._idle_slots = set(range(num_slots))
         self._slot_of: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}
+        self._init_prefix_cache(enable_prefix_caching, prefix_cache_hash)
 
     # -- addressing ---------------------------------------------------------------------------
     def slot(self, request_id: str) -> int:
@@ -143,12 +150,13 @@ class VirtualKVCache(KVCacheManager):
         return slot, max(0, need - mapped), cow
 
     def _reclaimable(self, exclude: int) -> int:
-        """Pages (all regions) that unmapping idle slots and surplus tails would free."""
+        """Pages (all regions) that unmapping idle slots and surplus tails, and evicting pages
+        only the prefix cache holds, would free."""
         total = sum(self._mapped[s] for s in self._idle_slots if s != exclude)
         for rid, slot in self._slot_of.items():
             if slot != exclude:
                 total += self._mapped[slot] - self.layout.pages_for(self._num_tokens[rid])
-        return total * len(self.regions)
+        return total * len(self.regions) + self._num_evictable()
 
     def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
         slot, grow, cow = self._plan(request_id, num_new_tokens)
@@ -247,6 +255,8 @@ class VirtualKVCache(KVCacheManager):
                 take = min(surplus, -(-pages_wanted // regions))
                 self._unmap_tail(slot, take)
                 pages_wanted -= take * regions
+        if pages_wanted > 0:
+            self._evict_cached(pages_wanted)
 
     def _trim_idle(self) -> None:
         """Keep at most ``max_idle_pages`` mapped in idle slots; let the pool trim the rest."""
@@ -267,6 +277,7 @@ class VirtualKVCache(KVCacheManager):
         if shared:  # keep no shared page in an idle slot: its owner would copy it needlessly
             self._unmap_tail(slot, self._mapped[slot])
         self._idle_slots.add(slot)
+        self._forget_prefix(request_id)
         self._trim_idle()
 
     # -- swapping -----------------------------------------------------------------------------
@@ -324,7 +335,56 @@ class VirtualKVCache(KVCacheManager):
         self._slot_of[child_id] = slot
         self._idle_slots.discard(slot)
         self._num_tokens[child_id] = length
+        self._inherit_prefix(parent_id, child_id)
         return True
+
+    # -- prefix-caching hooks (see vmkv.kv.prefix): the unit is a page index, all regions ----
+    def _unit_span(self, page: int) -> tuple[int, int]:
+        ps, row = self.pool.page_size, self.layout.row_bytes
+        return page * ps // row, -(-(page + 1) * ps // row)
+
+    def _unit_payload(self, request_id: str, page: int) -> tuple[int, ...]:
+        va_page = self._first_va_page(self._slot_of[request_id]) + page
+        return tuple(int(r.page_at[va_page]) for r in self.regions)
+
+    def _hold(self, pages: tuple[int, ...]) -> None:
+        for page in pages:
+            self.pool.retain(page)
+
+    def _unhold(self, pages: tuple[int, ...]) -> None:
+        for page in pages:
+            self.pool.release(page)
+
+    def _is_cache_only(self, pages: tuple[int, ...]) -> bool:
+        return all(self.pool.ref_cnt[p] == 1 for p in pages)
+
+    def _payload_units(self, pages: tuple[int, ...]) -> int:
+        return len(pages)
+
+    def _adopt(self, request_id: str, payloads: list[tuple[int, ...]]) -> int | None:
+        """Map the hit pages at the start of an empty slot (like a fork of the cache)."""
+        if request_id in self._slot_of:
+            raise ValueError(f"match_prefix for {request_id!r}, which already holds KV")
+        tokens = self.layout.tokens_in(len(payloads))
+        if not self._idle_slots or tokens == 0:
+            return None
+        slot = min(self._idle_slots, key=lambda s: (self._mapped[s], s))
+        self._unmap_tail(slot, self._mapped[slot])
+        dst = self._first_va_page(slot)
+        done: list[VirtualRegion] = []
+        try:
+            for r, region in enumerate(self.regions):
+                region.map_shared(dst, [pages[r] for pages in payloads])
+                done.append(region)
+        except MappingBudgetExceeded:
+            for region in done:
+                region.unmap(dst, len(payloads))
+            return None
+        self._mapped[slot] = len(payloads)
+        self._slot_of[request_id] = slot
+        self._idle_slots.discard(slot)
+        self._num_tokens[request_id] = tokens
+        return tokens
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -350,6 +410,7 @@ class VirtualKVCache(KVCacheManager):
             bytes_created=self.pool.num_created * ps,
             token_bytes=int(useful.sum()),
             virt_reserved_bytes=sum(r.nbytes for r in self.regions),
+            bytes_cached=sum(len(p) for p in self._cache_holds() if self._is_cache_only(p)) * ps,
         )
 
     def check(self) -> None:
@@ -376,12 +437,16 @@ class VirtualKVCache(KVCacheManager):
             np.add.at(refs, mapped, 1)
             assert region.num_mapped == len(mapped)
             runs += region.num_runs
-        assert refs.tolist() == pool.ref_cnt, "page ref counts disagree with the mappings"
+        for pages in self._cache_holds():
+            for page in pages:
+                refs[page] += 1
+        assert refs.tolist() == pool.ref_cnt, "page ref counts disagree with mappings + cache"
         assert runs == pool.num_runs
 
     def close(self) -> None:
         for rid in list(self._slot_of):
             self.free(rid)
+        self._evict_cached(self.pool.num_pages)
         self._layer_views = []
         for region in self.regions:
             region.close()
