@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from test_scheduler import MarkerRunner, next_token
+
 from vmkv import LLM, SamplingParams
 from vmkv.config import CacheConfig
 from vmkv.engine.scheduler import Scheduler
