@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import ServerConfig, build_app
 from vmkv import LLM, SamplingParams
+from vmkv.config import CacheConfig
 from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
@@ -61,7 +62,8 @@ def start(engine: AsyncEngine, **config: object) -> Running:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[AsyncEngine]:
-    llm = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=40))
+    llm = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=40,
+                                 cache=CacheConfig(enable_prefix_caching=True)))
     eng = AsyncEngine(llm)
     yield eng
     eng.shutdown()
@@ -169,6 +171,22 @@ def test_n_seed_stop_and_logprobs(client: openai.OpenAI) -> None:
         extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": True})
     assert len(chat.choices[0].logprobs.content) == 3
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_prefix_cache_hits_show_in_usage_and_salts_isolate(srv: Running,
+                                                           client: openai.OpenAI) -> None:
+    system = "You are a terse assistant who answers in one word. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Sky?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    first = client.chat.completions.create(**kw, extra_body={"cache_salt": "t1"})
+    again = client.chat.completions.create(**kw, extra_body={"cache_salt": "t1"})
+    other = client.chat.completions.create(**kw, extra_body={"cache_salt": "t2"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 64
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another tenant
+    assert again.choices[0].message.content == first.choices[0].message.content
+    m = metrics(srv.url)
+    assert m["vmkv:prefix_cache_hits_total"] > 0
+    assert m["vmkv:prefix_cache_queries_total"] > m["vmkv:prefix_cache_hits_total"]
 
 
 def test_tokenize_detokenize(srv: Running) -> None:
