@@ -64,12 +64,15 @@ class Sampler:
         has_logprobs = any(k is not None for k in num_top)
         raw_logprobs = logits.float().log_softmax(dim=-1) if has_logprobs else None
 
-        logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
         penalised_rows = [i for i, s in enumerate(states) if _has_penalty(s.params)]
-        apply_penalties(logits, states, penalised_rows)
-        apply_min_tokens(logits, states)
-        token_ids = self._sample(logits, states)  # token_ids: [B] int64
-
+        if (not penalised_rows and all(s.params.is_greedy for s in states)
+                and not any(s.masked_token_ids for s in states)):
+            token_ids = logits.argmax(dim=-1)  # the common greedy batch: no copy of [B, V]
+        else:
+            logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
+            apply_penalties(logits, states, penalised_rows)
+            apply_min_tokens(logits, states)
+            token_ids = self._sample(logits, states)  # token_ids: [B] int64
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), None, None)
         sampled, top = gather_logprobs(raw_logprobs, token_ids, [k or 0 for k in num_top])
