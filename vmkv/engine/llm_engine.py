@@ -10,6 +10,7 @@ Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,7 @@ import torch
 
 from vmkv.attention import create_attention_backend
 from vmkv.engine.config import EngineConfig
+from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.model_runner import ModelRunner
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -25,11 +27,15 @@ from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv import create_kv_cache
 from vmkv.kv.virtual import VirtualKVCache
+from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
 from vmkv.sampling import Sampler, SamplingState
 from vmkv.sampling_params import SamplingParams
 
 logger = logging.getLogger("vmkv")
+
+#: tokens ahead of every running request the background mapper maps (virtual mode, CUDA)
+PREMAP_LOOKAHEAD_TOKENS = 16
 
 
 @dataclass
@@ -64,10 +70,21 @@ class LLMEngine:
                                   num_slots=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=config.device)
         self.attn = create_attention_backend(self.kv)
+        # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
+        # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
+        self.mapper: BackgroundMapper | None = None
+        if (isinstance(self.kv, VirtualKVCache) and self.kv.device.type == "cuda"
+                and os.environ.get("VMKV_BACKGROUND_MAPPER", "1") != "0"):
+            self.mapper = BackgroundMapper(self.kv.backend)
+            self.kv.attach_mapper(self.mapper)
+        # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
+        self.graphs = maybe_create_graph_runner(self.model, self.attn,
+                                                max_batch_size=config.max_num_seqs,
+                                                mapper=self.mapper)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.attn)
+        self.runner = ModelRunner(self.model, self.attn, self.graphs)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         eos = list(self.model_config.eos_token_ids)
@@ -208,8 +225,13 @@ class LLMEngine:
                     seq.request.first_scheduled_time = now
             logits, ready = self.runner.execute(out)
             self.scheduler.update(out)
+            if self.mapper is not None:  # map ahead while the GPU computes; any KV call
+                # waits for it (sampling below syncs with the GPU first)
+                self.mapper.submit(self.kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))
             if ready:
                 self._sample(logits, ready, touched)
+            if self.mapper is not None:
+                self.mapper.wait()  # idle between steps (abort/add never race with it)
         return [self._output(req) for req in touched.values()]
 
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
@@ -297,3 +319,5 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.kv.close()
+        if self.mapper is not None:
+            self.mapper.close()

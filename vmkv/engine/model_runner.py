@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vmkv.attention.base import AttentionBackend
@@ -9,13 +11,18 @@ from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
 from vmkv.models.llama import LlamaModel
 
+if TYPE_CHECKING:
+    from vmkv.engine.cuda_graphs import DecodeGraphRunner
+
 
 class ModelRunner:
     """Owns the model and the attention backend; every tensor of a step is built here."""
 
-    def __init__(self, model: LlamaModel, attn: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, attn: AttentionBackend,
+                 graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.attn = attn
+        self.graphs = graphs  # captured decode steps (CUDA); None runs every step eagerly
         self.device = model.device
 
     @torch.inference_mode()
@@ -39,10 +46,15 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        meta = self.attn.prepare([s.seq_id for s in out.scheduled], context_lens, query_lens)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
-        hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
+        request_ids = [s.seq_id for s in out.scheduled]
+        if self.graphs is not None and self.graphs.can_run(query_lens):
+            # decode-only: one copy into the bucket's static buffer, then a graph replay
+            hidden = self.graphs.run(request_ids, context_lens, ids, positions)  # [T, hidden]
+        else:
+            meta = self.attn.prepare(request_ids, context_lens, query_lens)
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
+            hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

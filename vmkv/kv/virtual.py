@@ -20,6 +20,10 @@ kept this way are reclaimed on demand, and beyond ``max_idle_pages`` eagerly.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -29,6 +33,9 @@ from vmkv.kv.spec import KVSpec, VirtualLayout
 from vmkv.memory.base import MappingBudgetExceeded
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import UNMAPPED, VirtualRegion
+
+if TYPE_CHECKING:
+    from vmkv.memory.mapper import BackgroundMapper
 
 
 class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
@@ -91,7 +98,47 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         self._idle_slots = set(range(num_slots))
         self._slot_of: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}
+        self._mapper: BackgroundMapper | None = None
         self._init_prefix_cache(enable_prefix_caching, prefix_cache_hash)
+
+    # -- background pre-mapping (vmkv.memory.mapper) ------------------------------------------
+    def attach_mapper(self, mapper: BackgroundMapper | None) -> None:
+        """Let ``mapper`` pre-map pages (:meth:`premap_ahead`); from now on every public method
+        first waits for it, so the manager is never used while a unit runs."""
+        self._quiesce()
+        self._mapper = mapper
+
+    def _quiesce(self) -> None:
+        if self._mapper is not None:
+            self._mapper.wait()
+
+    def premap_ahead(self, lookahead_tokens: int) -> list[Callable[[], int]]:
+        """Units for a :class:`~vmkv.memory.mapper.BackgroundMapper`: one per running request
+        whose slot lacks the pages its next ``lookahead_tokens`` tokens need. A unit maps free
+        pool pages only (it never reclaims or evicts, and never unmaps) and returns the pages it
+        mapped per region; it does nothing if the request is gone or the pool is short when it
+        runs. Pages mapped ahead are surplus: reclaimable, and counted in ``bytes_held``."""
+        self._quiesce()
+        units: list[Callable[[], int]] = []
+        for rid, slot in self._slot_of.items():
+            want = min(self.layout.pages_for(self._num_tokens[rid] + lookahead_tokens),
+                       self.layout.slot_pages)
+            if want > self._mapped[slot]:
+                units.append(functools.partial(self._premap_slot, rid, slot, want))
+        return units
+
+    def _premap_slot(self, request_id: str, slot: int, want: int) -> int:
+        """Map ``slot`` up to ``want`` pages per region if the pool has them free (mapper
+        thread; the engine waits in :meth:`_quiesce` before touching the manager)."""
+        grow = want - self._mapped[slot]
+        if self._slot_of.get(request_id) != slot or grow <= 0:
+            return 0
+        regions = len(self.regions)
+        budget = self.pool.max_runs
+        if grow * regions > self.pool.num_free or (
+                budget is not None and self.pool.num_runs + grow * regions > budget):
+            return 0  # checked first, so _grow never rolls back (unmaps) on this thread
+        return grow if self._grow(slot, grow) else 0
 
     # -- addressing ---------------------------------------------------------------------------
     def slot(self, request_id: str) -> int:
@@ -112,6 +159,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         return self.layout.tokens_in(self.pool.num_pages // len(self.regions))
 
     def mapped_pages(self, slot: int) -> int:
+        self._quiesce()
         return self._mapped[slot]
 
     def _first_va_page(self, slot: int) -> int:
@@ -159,14 +207,17 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         return total * len(self.regions) + self._num_evictable()
 
     def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
+        self._quiesce()
         slot, grow, cow = self._plan(request_id, num_new_tokens)
         return None if slot is None else (grow + len(cow)) * len(self.regions)
 
     @property
     def free_units(self) -> int:
+        self._quiesce()
         return self.pool.num_free + self._reclaimable(exclude=-1)
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        self._quiesce()
         slot, grow, cow = self._plan(request_id, num_new_tokens)
         if slot is None:
             return False
@@ -175,6 +226,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
 
     # -- growth -------------------------------------------------------------------------------
     def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        self._quiesce()
         slot, grow, cow = self._plan(request_id, num_new_tokens)
         if slot is None:
             return False
@@ -267,6 +319,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         self.pool.trim()
 
     def free(self, request_id: str) -> None:
+        self._quiesce()
         slot = self._slot_of.pop(request_id)
         del self._num_tokens[request_id]
         first = self._first_va_page(slot)
@@ -288,6 +341,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
 
     def swap_out(self, request_id: str) -> SwappedKV:
         """Copy the request's mapped pages (page-granular) to host memory, then free it."""
+        self._quiesce()
         slot, n = self._slot_of[request_id], self._num_tokens[request_id]
         need = self.layout.pages_for(n)
         data = [self._host_copy(self._slot_bytes(r, slot, need)) for r in self.regions]
@@ -297,6 +351,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
 
     def swap_in(self, request_id: str, swapped: SwappedKV) -> bool:
         """Map fresh pages in a slot and copy the saved pages back under them."""
+        self._quiesce()
         if request_id in self._slot_of:
             raise ValueError(f"swap_in of {request_id!r} which already holds KV")
         if not self.allocate(request_id, swapped.num_tokens):
@@ -309,6 +364,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
 
     # -- sharing ------------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> bool:
+        self._quiesce()
         if child_id in self._slot_of:
             raise ValueError(f"fork target {child_id!r} already holds KV")
         parent_slot = self._slot_of[parent_id]
@@ -389,6 +445,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
     # -- accounting ---------------------------------------------------------------------------
     @property
     def usage(self) -> KVUsage:
+        self._quiesce()
         ps, row = self.pool.page_size, self.layout.row_bytes
         useful = np.zeros(self.pool.num_pages, dtype=np.int64)  # live bytes per physical page
         for rid, slot in self._slot_of.items():
@@ -414,6 +471,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         )
 
     def check(self) -> None:
+        self._quiesce()
         pool, layout = self.pool, self.layout
         pool.check()
         assert set(self._slot_of.values()).isdisjoint(self._idle_slots)
@@ -444,6 +502,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         assert runs == pool.num_runs
 
     def close(self) -> None:
+        self._quiesce()
         for rid in list(self._slot_of):
             self.free(rid)
         self._evict_cached(self.pool.num_pages)

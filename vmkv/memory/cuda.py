@@ -191,7 +191,35 @@ class CudaMemoryBackend(MemoryBackend):
 
     # -- access ------------------------------------------------------------------------------
     def as_tensor(self, base: int, nbytes: int) -> torch.Tensor:
-        # NOTE: torch may query the pointer's device; the first page must be mapped first.
+        """Wrap ``[base, base+nbytes)`` (``base`` page-aligned) as a CUDA ``uint8`` tensor.
+
+        torch asks the driver which device owns ``base`` (``cudaPointerGetAttributes``), and
+        an address with nothing mapped belongs to no device: the query fails. So when the
+        plain wrap fails, a scratch page is mapped at ``base`` just for the wrap (create, map,
+        set access, wrap, unmap, release). The region's mapping table never sees it and no
+        kernel can run meanwhile (nothing reads a range before its pages are mapped).
+        """
+        try:
+            return self._wrap(base, nbytes)
+        except RuntimeError as first:
+            if base % self.page_size:
+                raise
+            try:
+                anchor = self._call("cuMemCreate", self.page_size, self._prop, 0)
+            except VmmError:
+                raise first from None
+            try:
+                self._call("cuMemMap", self._ptr(base), self.page_size, 0, anchor, 0)
+                try:
+                    self._call("cuMemSetAccess", self._ptr(base), self.page_size,
+                               [self._access], 1)
+                    return self._wrap(base, nbytes)
+                finally:
+                    self._call("cuMemUnmap", self._ptr(base), self.page_size)
+            finally:
+                self._call("cuMemRelease", anchor)
+
+    def _wrap(self, base: int, nbytes: int) -> torch.Tensor:
         return torch.as_tensor(_DevicePointer(base, nbytes), device=self.device)
 
     def synchronize(self) -> None:

@@ -1,0 +1,113 @@
+"""Step 5: the benchmark CLI on the GPU: ``vmkv bench throughput --kv-mode both`` on a
+Llama-3-8B-shaped random-weight checkpoint (bf16, written here: no network, no gguf) and
+``vmkv bench kernels`` (its CUDA half: the Triton twins).
+
+The commands are the CLI's own (``python -m vmkv.cli bench ...``) in child processes; their
+JSON lands next to this step's. ``VMKV_CHECK_DEVICE=cpu`` runs a tiny dry run on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import (
+    LLAMA3_8B,
+    ROOT,
+    WORK,
+    Result,
+    fast_scratch,
+    run_step,
+    save_random_checkpoint,
+    save_word_tokenizer,
+    tiny_llama_config,
+)
+
+DEVICE = os.environ.get("VMKV_CHECK_DEVICE", "cuda")
+BUDGET_S = float(os.environ.get("VMKV_STEP_BUDGET", "95"))
+WRITE_BUDGET_S = 30.0
+OUT = Path(os.environ.get("VMKV_CHECK_OUT", ROOT / "benchmarks" / "results"))
+
+
+def cli(res: Result, name: str, args: list[str], timeout: float) -> dict | None:
+    """Run ``vmkv <args>``; returns its JSON (``--json``) or None, recording the outcome."""
+    out = OUT / f"{name}.json"
+    log = OUT / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "vmkv.cli", *args, "--json", str(out)]
+    start = time.monotonic()
+    try:
+        with log.open("w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=ROOT)
+        rc: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    tail = log.read_text()[-1500:] if log.exists() else ""
+    res.check(f"vmkv {' '.join(args[:2])}", rc == 0, rc=rc, seconds=time.monotonic() - start,
+              command=" ".join(cmd), log_tail=tail if rc != 0 else "")
+    if rc == 0 and out.exists():
+        return json.loads(out.read_text())
+    return None
+
+
+def main(res: Result) -> None:
+    import transformers
+
+    start = time.monotonic()
+    if DEVICE == "cuda":
+        cfg = transformers.LlamaConfig(**LLAMA3_8B)
+        path = fast_scratch(24 << 30) / "llama3-8b-shaped"
+        workload = ["--num-prompts", "256", "--input-len", "512", "--output-len", "32",
+                    "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+                    "--max-model-len", "1024", "--kv-cache-memory", "32G"]
+    else:
+        cfg = tiny_llama_config()
+        path = WORK / "tiny-shaped"
+        workload = ["--num-prompts", "8", "--input-len", "16", "--output-len", "4",
+                    "--max-num-seqs", "4", "--max-model-len", "64", "--kv-cache-memory", "64M"]
+    if not (path / "model.safetensors.index.json").exists():
+        try:
+            secs = save_random_checkpoint(cfg, path, device=DEVICE,
+                                          deadline=start + WRITE_BUDGET_S)
+        except TimeoutError:  # slow disk: same shapes, a quarter of the layers
+            shutil.rmtree(path, ignore_errors=True)
+            cfg.num_hidden_layers = max(1, cfg.num_hidden_layers // 4)
+            path = path.with_name(path.name + f"-{cfg.num_hidden_layers}layers")
+            secs = save_random_checkpoint(cfg, path, device=DEVICE)
+            res.record("note", f"disk too slow for 16 GB in {WRITE_BUDGET_S:.0f} s: "
+                       f"{cfg.num_hidden_layers} of 32 layers")
+        save_word_tokenizer(path, cfg.vocab_size)
+        res.record("checkpoint_write_s", secs)
+    res.record("model_dir", str(path))
+    left = lambda: BUDGET_S - (time.monotonic() - start)  # noqa: E731
+    result = cli(res, "bench_throughput",
+                 ["bench", "throughput", "--model", str(path), "--device", DEVICE,
+                  "--dtype", "bfloat16", "--kv-mode", "both", "--workload", "random",
+                  *workload, "--repeats", "1", "--warmup-prompts", "4", "--no-progress"],
+                 timeout=max(10.0, left() - 25))
+    if result is not None:
+        res.record("throughput_summary", result.get("summary"))
+        summary = result.get("summary") or {}
+        if "virtual" in summary and "paged" in summary:
+            v, p = (summary[m].get("output_tokens_per_s", 0) for m in ("virtual", "paged"))
+            res.headline = f"throughput virtual {v:.0f} vs paged {p:.0f} output tok/s"
+    kern = ["bench", "kernels", "--batch-sizes", "1,32,128", "--context-lens", "1024,16384",
+            "--max-tokens", "0", "--phases", "decode,prefill", "--repeats", "5",
+            "--warmup", "2", "--no-progress"]
+    if DEVICE != "cuda":
+        kern = ["bench", "kernels", "--batch-sizes", "1", "--context-lens", "64",
+                "--max-tokens", "64", "--phases", "decode", "--repeats", "1", "--warmup", "0",
+                "--no-progress", "--no-cuda"]
+    result = cli(res, "bench_kernels", kern, timeout=max(10.0, left()))
+    if result is not None:
+        res.record("kernels_rows", len(result.get("rows", [])))
+
+
+if __name__ == "__main__":
+    run_step("s5_bench_cli", main)

@@ -1,0 +1,512 @@
+"""CUDA attention backends: metadata, call plumbing, kernels vs a float32 reference.
+
+No GPU exists on CI, so the CPU tests split the backends in two:
+
+* **Real code on CPU**: step building (exact arrays), the single staging copy, graph padding,
+  block-table refresh, kernel choice, the masked Triton K/V write and the Triton twins (under
+  ``TRITON_INTERPRET=1``), and the SDPA fallback, on real host KV caches (mmap) whose pages past
+  each request's length are *unmapped* and whose mapped rows past the length hold NaN: any
+  over-read either dies with SIGSEGV (the scenarios run in a child process) or poisons the
+  result.
+* **Injected kernels**: ``aten._flash_attention_forward`` and ``flash_attn_with_kvcache`` do not
+  run on CPU. Tests inject a float32 reference with the same signature that implements their
+  documented semantics (varlen rows ``cum_seq_k[b] ..+ seqused_k[b]``, bottom-right causal,
+  ``cache_batch_idx``, ``block_table``), and also call the real aten op on meta tensors (torch
+  2.13's CPU build registers a Meta kernel) to check shapes and keyword names. **The real
+  FlashAttention kernels run only on a GPU**: the ``gpu``-marked tests below and
+  ``benchmarks/gpu/check.sh`` prove them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when Triton kernels are decorated (import)
+
+from vmkv.attention import create_attention_backend  # noqa: E402
+from vmkv.attention.cuda_common import aten_flash_kwargs, has_triton, requested_kernel  # noqa: E402
+from vmkv.attention.kv_store import store_index_copy  # noqa: E402
+from vmkv.attention.paged_cuda import PagedCudaBackend, resolve_paged_kernel  # noqa: E402
+from vmkv.attention.staging import StagingBuffer, layout  # noqa: E402
+from vmkv.attention.virtual_cuda import VirtualCudaBackend, resolve_virtual_kernel  # noqa: E402
+from vmkv.kv import KVSpec, PagedKVCache, VirtualKVCache  # noqa: E402
+from vmkv.memory import PagePool  # noqa: E402
+from vmkv.memory.host import HostMemoryBackend  # noqa: E402
+
+TESTS = str(Path(__file__).resolve().parent)
+CUDA = torch.cuda.is_available()
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 64, 2
+SCALE = HEAD_DIM**-0.5
+needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
+
+
+# -- reference attention ------------------------------------------------------------------------
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                  ) -> torch.Tensor:
+    """float32 FA2 semantics: ``q [n, Hq, D]`` over ``k, v [L, Hkv, D]``, causal aligned
+    bottom-right (query j sees keys ``0 .. L - n + j``); zeros when ``L == 0``."""
+    n, heads, _ = q.shape
+    if k.shape[0] == 0:
+        return torch.zeros_like(q)
+    group = heads // k.shape[1]
+    kf = k.float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
+    vf = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ kf.transpose(1, 2) * scale  # [Hq, n, L]
+    length = k.shape[0]
+    visible = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)  # [n, Hq, D]
+
+
+class ReferenceVarlen:
+    """Stand-in for ``aten._flash_attention_forward`` (same signature; tests only): checks
+    the call on meta tensors with the real op's schema, then computes the float32 reference."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                 return_debug_mask, *, scale=None, seqused_k=None):
+        assert dropout_p == 0.0 and is_causal and not return_debug_mask
+        assert cu_q.dtype == cu_k.dtype == seqused_k.dtype == torch.int32
+        assert cu_q.is_contiguous() and cu_k.is_contiguous() and seqused_k.is_contiguous()
+        assert k.stride(-1) == 1 and q.stride(-1) == 1
+        meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                for t in (q, k, v, cu_q, cu_k, seqused_k)]
+        res = torch.ops.aten._flash_attention_forward(
+            *meta[:5], max_q, max_k, 0.0, True, False, scale=scale, seqused_k=meta[5])
+        assert tuple(res[0].shape) == tuple(q.shape) and res[0].dtype == q.dtype
+        cq, ck, used = cu_q.tolist(), cu_k.tolist(), seqused_k.tolist()
+        qlens = [b - a for a, b in zip(cq[:-1], cq[1:], strict=True)]
+        assert max(qlens) <= max_q and max(used) <= max_k
+        self.calls.append({"max_q": max_q, "max_k": max_k, "batch": len(used)})
+        out = torch.zeros_like(q)
+        for b in range(len(qlens)):
+            rows = slice(ck[b], ck[b] + used[b])
+            out[cq[b] : cq[b + 1]] = attention_ref(q[cq[b] : cq[b + 1]], k[rows], v[rows], scale)
+        return out, torch.empty(q.shape[1], q.shape[0]), torch.empty(2), torch.empty(()), None
+
+
+class FakeFlashAttn:
+    """Stand-in for the ``flash_attn`` package (tests only): ``flash_attn_with_kvcache`` as
+    documented in flash-attn 2.8 (slot selection by ``cache_batch_idx``, paged by
+    ``block_table`` with block size % 256 == 0), computed by the float32 reference."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                cache_batch_idx=None, block_table=None, softmax_scale=None,
+                                causal=False, **kw):
+        assert k is None and v is None and causal
+        assert cache_seqlens.dtype == torch.int32
+        batch, n = q.shape[:2]
+        out = torch.empty_like(q)
+        for b in range(batch):
+            length = int(cache_seqlens[b])
+            if block_table is not None:
+                bs = k_cache.shape[1]
+                assert bs % 256 == 0 and block_table.dtype == torch.int32
+                blocks = block_table[b, : -(-length // bs)].long()
+                kb = k_cache[blocks].flatten(0, 1)[:length]
+                vb = v_cache[blocks].flatten(0, 1)[:length]
+                self.calls.append("paged")
+            else:
+                idx = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+                kb, vb = k_cache[idx, :length], v_cache[idx, :length]
+                self.calls.append("slots")
+            out[b] = attention_ref(q[b], kb, vb, softmax_scale)
+        return out
+
+
+# -- scenarios: a few steps of mixed prefill chunks and decodes ----------------------------------
+#: per step: {request: new tokens}; "c" ends exactly on a 64-token page boundary (host pages)
+STEPS = [
+    {"a": 37, "b": 20},
+    {"a": 1, "b": 30, "c": 63},
+    {"a": 1, "b": 1, "c": 1},
+    {"b": 1, "c": 1, "a": 1},
+    {"d": 5, "a": 1},
+]
+
+
+def host_virtual(dtype: torch.dtype, slots: int = 4, page: int = 64 * 1024) -> VirtualKVCache:
+    spec = KVSpec(LAYERS, KV_HEADS, HEAD_DIM, dtype)  # fp16: 1 KiB/token, 64 tokens per page
+    pool = PagePool(HostMemoryBackend(page, 64), 64)
+    return VirtualKVCache(spec, pool=pool, num_slots=slots, max_model_len=512)
+
+
+def paged_cache(dtype: torch.dtype, device: str = "cpu", block_size: int = 16,
+                num_blocks: int = 64) -> PagedKVCache:
+    spec = KVSpec(LAYERS, KV_HEADS, HEAD_DIM, dtype)
+    return PagedKVCache(spec, num_blocks=num_blocks, block_size=block_size, max_model_len=1024,
+                        device=device)
+
+
+def poison(kv: Any, lens: dict[str, int]) -> None:
+    """NaN in every cache row a correct kernel never reads: mapped rows past each length
+    (virtual; unmapped pages stay unmapped) or every row not holding live tokens (paged)."""
+    nan = float("nan")
+    for layer in range(LAYERS):
+        k, v = kv.layer_kv(layer)
+        if isinstance(kv, VirtualKVCache):
+            for rid, n in lens.items():
+                slot = kv.slot(rid)
+                cap = kv.layout.tokens_in(kv.mapped_pages(slot))
+                k[slot, n:cap] = nan
+                v[slot, n:cap] = nan
+        else:
+            live = torch.zeros(k.shape[0] * k.shape[1], dtype=torch.bool)
+            for rid, n in lens.items():
+                table = torch.tensor(kv.block_table(rid))
+                pos = torch.arange(n)
+                live[table[pos // kv.block_size] * kv.block_size + pos % kv.block_size] = True
+            k.flatten(0, 1)[~live.to(k.device)] = nan
+            v.flatten(0, 1)[~live.to(v.device)] = nan
+
+
+History = dict[str, list[list[torch.Tensor]]]  # request -> layer -> [k, v] float32 rows
+
+
+def run_scenario(kv: Any, backend: Any, steps: list[dict[str, int]], *, tol: float,
+                 seed: int = 0, hist: History | None = None) -> tuple[list[float], History]:
+    """Drive ``backend`` through ``steps``; after every step each layer's output must match the
+    reference over the K/V history ``hist`` (kept up to date). Returns the relative errors."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, device = kv.spec.dtype, kv.device
+    hist = {} if hist is None else hist
+    errors = []
+    for step in steps:
+        rids = list(step)
+        ctx = [kv.num_tokens(r) for r in rids]
+        lens = {r: kv.num_tokens(r) for r in kv.request_ids()}  # every live request
+        for rid, n in step.items():
+            assert kv.allocate(rid, n)
+        lens.update(zip(rids, ctx, strict=True))
+        poison(kv, lens)
+        meta = backend.prepare(rids, ctx, [step[r] for r in rids])
+        total = sum(step.values())
+        for layer in range(LAYERS):
+            q, k, v = (torch.randn(total, h, HEAD_DIM, generator=gen).to(dtype)
+                       for h in (HEADS, KV_HEADS, KV_HEADS))
+            out = backend.forward(layer, q.to(device), k.to(device), v.to(device), meta, SCALE)
+            assert out.shape == (total, HEADS * HEAD_DIM)
+            pos = 0
+            for rid in rids:
+                n = step[rid]
+                kh, vh = hist.setdefault(rid, [[torch.empty(0, KV_HEADS, HEAD_DIM)] * 2
+                                               for _ in range(LAYERS)])[layer]
+                kh = torch.cat([kh, k[pos : pos + n].float()])
+                vh = torch.cat([vh, v[pos : pos + n].float()])
+                hist[rid][layer] = [kh, vh]
+                ref = attention_ref(q[pos : pos + n].float(), kh, vh, SCALE)
+                got = out[pos : pos + n].float().cpu().view(n, HEADS, HEAD_DIM)
+                assert torch.isfinite(got).all(), f"NaN in {rid}: a row past its length was read"
+                err = float((got - ref).abs().max() / ref.abs().max())
+                assert err < tol, (rid, layer, err)
+                errors.append(err)
+                pos += n
+    for rid in list(hist):  # the cache holds exactly what was written
+        n = kv.num_tokens(rid)
+        for layer in range(LAYERS):
+            k, _ = kv.layer_kv(layer)
+            if isinstance(kv, VirtualKVCache):
+                stored = k[kv.slot(rid), :n]
+            else:
+                table = torch.tensor(kv.block_table(rid), device=k.device)
+                stored = k[table].flatten(0, 1)[:n]
+            torch.testing.assert_close(stored.float().cpu(), hist[rid][layer][0], atol=0, rtol=0)
+    return errors, hist
+
+
+def _virtual_scenario(kernel: str, dtype_name: str) -> None:
+    """Child-process body: a host virtual cache (tails unmapped) through ``kernel``."""
+    dtype = getattr(torch, dtype_name)
+    kv = host_virtual(dtype)
+    varlen = ReferenceVarlen()
+    fa = FakeFlashAttn()
+    backend = VirtualCudaBackend(kv, kernel, varlen_fn=varlen, flash_attn=fa)
+    assert backend.kernel == kernel, backend.kernel
+    run_scenario(kv, backend, STEPS, tol=2e-2 if dtype != torch.float32 else 1e-4)
+    if kernel == "aten-flash":  # one call per layer and step; decode steps pass max_q == 1
+        assert len(varlen.calls) == LAYERS * len(STEPS)
+        assert [c["max_q"] for c in varlen.calls[::LAYERS]] == [37, 63, 1, 1, 5]
+    if kernel == "flash-attn":
+        assert set(fa.calls) == {"slots"}
+    assert backend.staging.num_copies == len(STEPS)  # one host->device copy per step
+    kv.check()
+
+
+def run_child(func: str, *args: Any, module: str = "test_attention_cuda"
+              ) -> subprocess.CompletedProcess:
+    """Run ``module.func(*args)`` in a child process (a fault there is a return code, not a
+    dead test run; pytest's tracebacks would also print VA-backed tensors, touching unmapped
+    pages)."""
+    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import {module} as t; "
+            f"t.{func}(*{args!r})")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900, env=env)
+
+
+# -- CPU tests ----------------------------------------------------------------------------------
+@pytest.mark.skipif(CUDA, reason="CPU plumbing test (the GPU runs the real kernels below)")
+@pytest.mark.parametrize(("kernel", "dtype"), [
+    ("aten-flash", "float16"),  # injected reference + meta-shape check of the real op
+    ("flash-attn", "bfloat16"),  # injected fake package
+    pytest.param("triton", "float16", marks=needs_triton),  # the real Triton twin, interpreted
+    ("sdpa", "float32"),
+])
+def test_virtual_backend_on_a_host_cache_with_unmapped_tails(kernel: str, dtype: str) -> None:
+    proc = run_child("_virtual_scenario", kernel, dtype)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def test_the_scenario_detects_a_one_token_over_read() -> None:
+    """The harness can fail: a kernel that reads one row more dies (SIGSEGV) or sees NaN."""
+    proc = run_child("_over_read_scenario")
+    assert proc.returncode != 0
+    assert proc.returncode == -11 or "NaN" in proc.stderr, proc.stderr[-2000:]
+
+
+def _over_read_scenario() -> None:
+    kv = host_virtual(torch.float16)
+    varlen = ReferenceVarlen()
+
+    def over(q, k, v, cu_q, cu_k, max_q, max_k, *rest, scale=None, seqused_k=None):
+        return varlen(q, k, v, cu_q, cu_k, max_q, max_k + 1, *rest, scale=scale,
+                      seqused_k=seqused_k + 1)
+
+    backend = VirtualCudaBackend(kv, "aten-flash", varlen_fn=over)
+    run_scenario(kv, backend, STEPS, tol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
+        dtype: torch.dtype) -> None:
+    if not has_triton() and dtype == torch.float16:
+        pytest.skip("triton is not installed")
+    device = "cuda" if CUDA else "cpu"
+    kv = paged_cache(dtype, device)
+    backend = PagedCudaBackend(kv, "triton" if dtype == torch.float16 else "sdpa")
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    _, hist = run_scenario(kv, backend, STEPS[:3], tol=tol)
+    assert kv.fork("b", "b2")  # b has 51 tokens: its partial last block is shared
+    hist["b2"] = [list(kvs) for kvs in hist["b"]]
+    steps = [{"b": 1, "b2": 1, "a": 1}, {"b2": 3, "c": 1}, {"b2": 1, "b": 1}]  # b copies
+    run_scenario(kv, backend, steps, tol=tol, seed=1, hist=hist)  # CoW: b and b2 diverge
+    assert kv.block_table("b")[:3] == kv.block_table("b2")[:3]
+    assert kv.block_table("b")[3] != kv.block_table("b2")[3]
+    for rid in kv.request_ids():  # the incremental numpy tables equal the manager's
+        assert backend.tables.get(rid, 10**9).tolist() == kv.block_table(rid)
+    kv.check()
+
+
+@pytest.mark.skipif(CUDA, reason="CPU plumbing test")
+def test_paged_flash_attn_plumbing_uses_block_tables() -> None:
+    kv = paged_cache(torch.bfloat16, block_size=256, num_blocks=8)
+    fa = FakeFlashAttn()
+    backend = PagedCudaBackend(kv, "flash-attn", flash_attn=fa)
+    run_scenario(kv, backend, STEPS, tol=2e-2)
+    assert set(fa.calls) == {"paged"}
+
+
+def test_virtual_step_arrays_are_exact() -> None:
+    kv = host_virtual(torch.float16)
+    backend = VirtualCudaBackend(kv, "sdpa")
+    t = kv.layout.slot_tokens  # 512
+    assert kv.allocate("x", 3) and kv.allocate("y", 5) and kv.allocate("z", 2)
+    slots = [kv.slot(r) for r in "xyz"]
+    step = backend.build_step(["y", "x", "z"], [4, 0, 1], [1, 3, 1])
+    a = step.arrays
+    sy, sx, sz = slots[1] * t, slots[0] * t, slots[2] * t
+    assert a["write_rows"].tolist() == [sy + 4, sx, sx + 1, sx + 2, sz + 1]
+    assert a["cu_seqlens_q"].tolist() == [0, 1, 4, 5]
+    assert a["cu_seqlens_k"].tolist() == [sy, sx, sz, sz + 2]
+    assert a["seq_lens"].tolist() == [5, 3, 2]
+    assert a["slot_ids"].tolist() == [slots[1], slots[0], slots[2]]
+    assert (step.max_query_len, step.max_seq_len, step.is_decode) == (3, 5, False)
+    assert a["cu_seqlens_q"].dtype == np.int32 and a["write_rows"].dtype == np.int64
+    meta = backend.prepare(["y", "x", "z"], [4, 0, 1], [1, 3, 1])
+    assert meta.write_rows.tolist() == a["write_rows"].tolist()
+    assert meta.extra["cu_seqlens_k"].dtype == torch.int32 and meta.seq_rows[0] == (sy, 5)
+
+
+def test_graph_padding_writes_nothing_and_reads_nothing() -> None:
+    kv = host_virtual(torch.float16)
+    backend = VirtualCudaBackend(kv, "sdpa")
+    assert kv.allocate("x", 3) and kv.allocate("y", 1)
+    step = backend.build_step(["x", "y"], [2, 0], [1, 1], pad_to=4)
+    a = step.arrays
+    t = kv.layout.slot_tokens
+    assert a["write_rows"].tolist() == [kv.slot("x") * t + 2, kv.slot("y") * t, -1, -1]
+    assert a["seq_lens"].tolist() == [3, 1, 0, 0]
+    assert a["cu_seqlens_q"].tolist() == [0, 1, 2, 3, 4]
+    assert (step.max_query_len, step.max_seq_len, step.num_padded) == (1, t, 2)
+    static = backend.graph_step(4)  # what a graph is captured with: the same layout
+    assert layout(static.arrays) == layout(a)
+    assert static.arrays["write_rows"].tolist() == [-1] * 4
+    with pytest.raises(ValueError, match="only decode batches"):
+        backend.build_step(["x"], [0], [3], pad_to=4)
+    with pytest.raises(ValueError, match="only decode batches"):
+        backend.build_step(["x", "y"], [2, 0], [1, 1], pad_to=1)
+
+    pkv = paged_cache(torch.float16)
+    pb = PagedCudaBackend(pkv, "triton" if has_triton() else "sdpa")
+    assert pkv.allocate("x", 40) and pkv.allocate("y", 1)
+    step = pb.build_step(["x", "y"], [39, 0], [1, 1], pad_to=3)
+    bt = step.arrays["block_table"]
+    assert bt.shape == (3, pb.max_blocks) and bt[0, :3].tolist() == pkv.block_table("x")
+    assert step.arrays["write_rows"].tolist() == [pkv.block_table("x")[2] * 16 + 7,
+                                                  pkv.block_table("y")[0] * 16, -1]
+    if pb.kernel != "sdpa":  # sdpa gathers per request: never captured
+        assert layout(pb.graph_step(3).arrays) == layout(step.arrays)
+
+
+def test_staging_packs_aligned_fields_in_one_copy() -> None:
+    staging = StagingBuffer("cpu", capacity=64)
+    arrays = {"a": np.arange(3, dtype=np.int64), "b": np.array([[1, 2], [3, 4]], np.int32),
+              "c": np.zeros(0, np.int32), "d": np.array([7], np.int32)}
+    fields, nbytes = layout(arrays)
+    assert [f.offset for f in fields] == [0, 32, 48, 48] and nbytes == 64
+    views = staging.pack(arrays)
+    assert views["a"].tolist() == [0, 1, 2] and views["b"].tolist() == [[1, 2], [3, 4]]
+    assert views["d"].tolist() == [7] and views["c"].numel() == 0
+    assert staging.num_copies == 1
+    big = {"x": np.arange(100, dtype=np.int64)}
+    assert staging.pack(big)["x"].tolist() == list(range(100))  # grows
+    dst = staging.device_buffer(nbytes)
+    v1 = staging.pack(arrays, dst=dst)
+    staging.pack({**arrays, "d": np.array([9], np.int32)}, dst=dst)
+    assert v1["d"].tolist() == [9]  # same buffer, same offsets: old views see new values
+    with pytest.raises(ValueError, match="dst must be"):
+        staging.pack(big, dst=dst)
+
+
+@needs_triton
+def test_triton_store_skips_padding_rows() -> None:
+    from vmkv.attention.kv_store import store_triton
+
+    device = "cuda" if CUDA else "cpu"
+    cache = torch.zeros(6, 3, 2, KV_HEADS, HEAD_DIM, device=device)  # [rows, L, k|v, H, D]
+    k_flat, v_flat = cache[:, 1, 0], cache[:, 1, 1]  # strided, like the all-layers layout
+    k = torch.randn(4, KV_HEADS, HEAD_DIM, device=device)
+    v = torch.randn(4, KV_HEADS, HEAD_DIM, device=device)
+    rows = torch.tensor([4, -1, 0, -1], device=device)
+    store_triton(k_flat, v_flat, rows, k, v)
+    assert torch.equal(k_flat[4], k[0]) and torch.equal(v_flat[0], v[2])
+    written = torch.zeros_like(cache)
+    written[4, 1, 0], written[0, 1, 0], written[4, 1, 1], written[0, 1, 1] = k[0], k[2], v[0], v[2]
+    assert torch.equal(cache, written)  # nothing else touched (row -1 masked)
+    ref = torch.zeros_like(cache)
+    store_index_copy(ref[:, 1, 0], ref[:, 1, 1], rows, k, v)
+    assert torch.equal(ref, cache)
+
+
+def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+                       ) -> None:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    ok = {"flash_attn": False, "aten": True, "triton": True, "rows_fit_int32": True}
+    assert resolve_virtual_kernel("auto", bf16, 128, **ok) == "aten-flash"
+    assert resolve_virtual_kernel("auto", bf16, 128, **{**ok, "flash_attn": True}) == "flash-attn"
+    assert resolve_virtual_kernel("flash", bf16, 128, **ok) == "aten-flash"
+    assert resolve_virtual_kernel("triton", bf16, 128, **ok) == "triton"
+    with caplog.at_level(logging.WARNING):
+        assert resolve_virtual_kernel("auto", fp32, 128, **ok) == "sdpa"
+        assert resolve_virtual_kernel("aten-flash", fp32, 128, **ok) == "sdpa"
+        assert resolve_virtual_kernel("auto", bf16, 72 + 4, **ok) == "triton"  # head_dim % 8
+        assert resolve_virtual_kernel("auto", bf16, 128,
+                                      **{**ok, "rows_fit_int32": False}) == "triton"
+    assert "float16/bfloat16 only" in caplog.text and "2**31" in caplog.text
+    with pytest.raises(ValueError, match="needs the flash_attn package"):
+        resolve_virtual_kernel("flash-attn", bf16, 128, **ok)
+    with pytest.raises(ValueError, match="aten-flash"):
+        resolve_virtual_kernel("aten-flash", bf16, 128, **{**ok, "aten": False})
+    assert resolve_paged_kernel("auto", bf16, 128, 16, flash_attn=True, triton=True) == "triton"
+    assert resolve_paged_kernel("auto", bf16, 128, 256, flash_attn=True, triton=True) == (
+        "flash-attn")
+    with pytest.raises(ValueError, match="% 256 == 0"):
+        resolve_paged_kernel("flash-attn", bf16, 128, 16, flash_attn=True, triton=True)
+    with pytest.raises(ValueError, match="no block table"):
+        resolve_paged_kernel("aten-flash", bf16, 128, 256, flash_attn=False, triton=True)
+    monkeypatch.setenv("VMKV_ATTENTION_BACKEND", "triton")
+    assert requested_kernel(None) == "triton" and requested_kernel("sdpa") == "sdpa"
+    monkeypatch.setenv("VMKV_ATTENTION_BACKEND", "fa9")
+    with pytest.raises(ValueError, match="VMKV_ATTENTION_BACKEND"):
+        requested_kernel(None)
+
+
+def test_aten_op_schema_has_the_keywords_we_pass() -> None:
+    kwargs = aten_flash_kwargs()
+    assert {"scale", "seqused_k"} <= kwargs  # torch 2.11 and 2.13
+    # torch 2.13 adds block_table and num_splits; 2.11 does not (documented in docs/gpu.md)
+    if torch.__version__.startswith("2.11"):
+        assert "block_table" not in kwargs
+
+
+def test_factory_routes_by_device() -> None:
+    kv = host_virtual(torch.float32)
+    with pytest.raises(ValueError, match="CUDA attention kernel"):
+        create_attention_backend(kv, "triton")
+    assert create_attention_backend(kv).name.startswith("virtual")
+    fake = SimpleNamespace(device=torch.device("meta"), kv_mode="virtual")
+    with pytest.raises(ValueError, match="no attention backend"):
+        create_attention_backend(fake)  # type: ignore[arg-type]
+
+
+# -- GPU tests (real kernels; skipped without CUDA) ---------------------------------------------
+def cuda_virtual(dtype: torch.dtype, slots: int = 4) -> VirtualKVCache:
+    from vmkv.memory.cuda import CudaMemoryBackend
+
+    spec = KVSpec(LAYERS, KV_HEADS, HEAD_DIM, dtype)
+    backend = CudaMemoryBackend(None, 32)
+    return VirtualKVCache(spec, pool=PagePool(backend, 32), num_slots=slots, max_model_len=8192)
+
+
+def gpu_steps(kv: VirtualKVCache) -> list[dict[str, int]]:
+    """Steps where request "c" ends exactly on a 2 MiB page boundary: its next row is unmapped,
+    so a one-row over-read faults (illegal address) instead of passing silently."""
+    per_page = kv.layout.tokens_in(1)
+    return [{"a": 300, "c": per_page - 40}, {"a": 1, "c": 39, "b": 17},
+            {"a": 1, "b": 1, "c": 1}, {"c": 1, "b": 1}, {"d": per_page, "a": 1}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["aten-flash", "triton"])
+def test_gpu_virtual_backend_matches_fp32_reference(kernel: str) -> None:
+    kv = cuda_virtual(torch.bfloat16)
+    backend = VirtualCudaBackend(kv, kernel)
+    assert backend.kernel == kernel
+    errors, _ = run_scenario(kv, backend, gpu_steps(kv), tol=1e-2)
+    torch.cuda.synchronize()
+    assert max(errors) < 1e-2
+    kv.close()
+
+
+@pytest.mark.gpu
+def test_gpu_paged_backend_matches_fp32_reference() -> None:
+    kv = paged_cache(torch.bfloat16, "cuda", block_size=16, num_blocks=512)
+    backend = PagedCudaBackend(kv)
+    assert backend.kernel == "triton"  # flash-attn is not installed there
+    errors, _ = run_scenario(kv, backend, STEPS, tol=1e-2)
+    assert max(errors) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_virtual_falls_back_to_sdpa() -> None:
+    kv = cuda_virtual(torch.float32)
+    backend = VirtualCudaBackend(kv)
+    assert backend.kernel == "sdpa"
+    run_scenario(kv, backend, STEPS, tol=1e-3)
+    kv.close()
