@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -28,7 +29,7 @@ inline int64_t row_of(int64_t b, int64_t t, const int64_t* starts, const int32_t
   }
 }
 
-constexpr int64_t kAhead = 4;  // rows prefetched ahead: rows may sit on different pages
+constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
 
 inline void prefetch_row(const float* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -45,65 +46,74 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
   const int64_t row_bytes = ((kv_heads - 1) * stride_head + dim) * 4;
 #pragma omp parallel
   {
-    std::vector<float> scores;  // [heads, len], per thread
-    std::vector<float> acc;     // [heads, dim]
-    std::vector<float> inv_sum;  // [heads]
-    // One request per iteration: each token's row (all KV heads) is touched once for K and
-    // once for V, which matters when rows are far apart (the all-layers layout's token stride
-    // is L*2*H*D elements: every token sits on its own 4 KiB page).
+    std::vector<float> p(static_cast<size_t>(heads * kTile));  // [heads, tile] probabilities
+    std::vector<float> acc;  // [heads, dim]
+    std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
+    std::vector<int64_t> rows(static_cast<size_t>(kTile));
+    // One request per iteration, tokens in tiles (online softmax): a tile's K rows are read,
+    // then the same tokens' V rows while their pages are still in the TLB. Every token's row
+    // (all KV heads) is touched once for K and once for V — this matters when rows are far
+    // apart: the all-layers layout's token stride is L*2*H*D elements, a 4 KiB page per token.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = seq_lens[b];
-      scores.resize(static_cast<size_t>(heads * (len > 0 ? len : 1)));
       acc.assign(static_cast<size_t>(heads * dim), 0.0f);
-      inv_sum.assign(static_cast<size_t>(heads), 0.0f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.0f);
       const float* qb = q + b * q_stride_b;
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t row = row_of<PAGED>(b, t, starts, table, table_stride, block_size);
-        if (t + kAhead < len) {
-          prefetch_row(k + row_of<PAGED>(b, t + kAhead, starts, table, table_stride,
-                                         block_size) * stride_row, row_bytes);
+      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+        const int64_t n = len - t0 < kTile ? len - t0 : kTile;
+        for (int64_t j = 0; j < n; ++j) {
+          rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
+          prefetch_row(k + rows[j] * stride_row, row_bytes);
         }
-        const float* kr = k + row * stride_row;
-        for (int64_t hq = 0; hq < heads; ++hq) {
-          const float* kh = kr + (hq / group) * stride_head;
-          const float* qh = qb + hq * q_stride_h;
-          float dot = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* kr = k + rows[j] * stride_row;
+          prefetch_row(v + rows[j] * stride_row, row_bytes);
+          for (int64_t hq = 0; hq < heads; ++hq) {
+            const float* kh = kr + (hq / group) * stride_head;
+            const float* qh = qb + hq * q_stride_h;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
-          scores[hq * len + t] = dot * scale;
+            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+            p[hq * kTile + j] = dot * scale;
+          }
         }
-      }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* s = scores.data() + hq * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        inv_sum[hq] = len > 0 ? 1.0f / sum : 0.0f;
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t row = row_of<PAGED>(b, t, starts, table, table_stride, block_size);
-        if (t + kAhead < len) {
-          prefetch_row(v + row_of<PAGED>(b, t + kAhead, starts, table, table_stride,
-                                         block_size) * stride_row, row_bytes);
-        }
-        const float* vr = v + row * stride_row;
-        for (int64_t hq = 0; hq < heads; ++hq) {
-          const float* vh = vr + (hq / group) * stride_head;
-          const float p = scores[hq * len + t];
-          float* a = acc.data() + hq * dim;
+        for (int64_t hq = 0; hq < heads; ++hq) {  // online softmax update
+          float* ph = p.data() + hq * kTile;
+          float tile_max = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) tile_max = ph[j] > tile_max ? ph[j] : tile_max;
+          const float m_new = tile_max > m[hq] ? tile_max : m[hq];
+          const float rescale = std::exp(m[hq] - m_new);  // exp(-inf) = 0 on the first tile
+          float tile_sum = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            ph[j] = std::exp(ph[j] - m_new);
+            tile_sum += ph[j];
+          }
+          sum[hq] = sum[hq] * rescale + tile_sum;
+          m[hq] = m_new;
+          if (rescale != 1.0f) {
+            float* a = acc.data() + hq * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * vh[d];
+            for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+          }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = v + rows[j] * stride_row;
+          for (int64_t hq = 0; hq < heads; ++hq) {
+            const float* vh = vr + (hq / group) * stride_head;
+            const float pj = p[hq * kTile + j];
+            float* a = acc.data() + hq * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += pj * vh[d];
+          }
         }
       }
       for (int64_t hq = 0; hq < heads; ++hq) {
         float* o = out + b * out_stride_b + hq * out_stride_h;
         const float* a = acc.data() + hq * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv_sum[hq];
+        const float inv = len > 0 ? 1.0f / sum[hq] : 0.0f;
+        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
       }
     }
   }
