@@ -57,6 +57,7 @@ def create_kv_cache(
         precreate=num_pages if config.precreate else 0,
         max_idle_pages=idle_pages,
         max_runs=default_run_budget(backend),
+        partitions=layout.num_regions,  # one per region: lockstep growth, adjacent pages
     )
     return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
                           layout=config.layout, premap_pages=config.premap_pages,

@@ -87,8 +87,12 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
             raise ValueError(
                 f"{num_slots} slots of {slot_bytes} B exceed the 64 TiB of virtual address "
                 "space vmkv allows itself; lower max_num_seqs or max_model_len")
+        # regions grow in lockstep; a pool split into one partition per region keeps each
+        # region's pages physically adjacent (long runs, few VMAs)
+        per_region = pool.partitions == self.layout.num_regions
         self.regions = [
-            VirtualRegion(pool, num_slots * slot_bytes, name=f"kv-region-{i}")
+            VirtualRegion(pool, num_slots * slot_bytes, name=f"kv-region-{i}",
+                          partition=i if per_region else 0)
             for i in range(self.layout.num_regions)
         ]
         self._layer_views = self.layout.layer_views(
@@ -273,7 +277,7 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         for region in self.regions:
             data = region.as_bytes()[va_page * ps : (va_page + 1) * ps]
             saved = data.clone()
-            (new_page,) = self.pool.allocate(1)  # room was checked by the caller
+            (new_page,) = self.pool.allocate(1, None, region.partition)  # room was checked
             self.backend.synchronize()  # the clone (and any reader) must finish before remap
             region.replace(va_page, new_page)
             data.copy_(saved)

@@ -13,6 +13,11 @@ plus explicit holders (a prefix cache, say). A page mapped at two virtual addres
 Allocation prefers the page after ``hint`` (physically adjacent to what the caller mapped last),
 then the lowest idle page, then the lowest uncreated one, so growing slots get long physically
 contiguous runs (one VMA each on the host) and created memory stays packed at low ids.
+
+With ``partitions=P`` the ids are split into P equal contiguous ranges and each allocation names
+its partition. Layouts whose regions grow in lockstep (the per-layer layout: one page in each of
+2L regions per growth) give each region its own partition, so a region's pages stay physically
+adjacent instead of interleaving with the other regions' (one run per page otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class PagePool:
             mark :meth:`trim` releases the highest ones, so memory held tracks live data.
             ``None`` keeps every created page.
         max_runs: budget on mapped runs over all regions (host VMAs); ``None`` for no budget.
+        partitions: split the ids into this many equal ranges (``num_pages`` is rounded down
+            to a multiple); :meth:`allocate` then takes the partition to draw from.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class PagePool:
         precreate: int = 0,
         max_idle_pages: int | None = None,
         max_runs: int | None = None,
+        partitions: int = 1,
     ) -> None:
         if not 0 < num_pages <= backend.max_pages:
             raise ValueError(
@@ -50,6 +58,9 @@ class PagePool:
             )
         if not 0 <= precreate <= num_pages:
             raise ValueError(f"precreate must be in 0..{num_pages}, got {precreate}")
+        if not 1 <= partitions <= num_pages:
+            raise ValueError(f"partitions must be in 1..{num_pages}, got {partitions}")
+        num_pages -= num_pages % partitions
         if max_idle_pages is not None and max_idle_pages < 0:
             raise ValueError(f"max_idle_pages must be >= 0 or None, got {max_idle_pages}")
         self.backend = backend
@@ -60,10 +71,15 @@ class PagePool:
         self.num_runs = 0  # maintained by the regions
         self.ref_cnt = [0] * num_pages
         self._created = bytearray(num_pages)
+        self.partitions = partitions
+        self.partition_size = num_pages // partitions
         self._idle: set[int] = set()
-        self._idle_heap: list[int] = []
+        self._idle_heaps: list[list[int]] = [[] for _ in range(partitions)]
         self._uncreated: set[int] = set(range(num_pages))
-        self._uncreated_heap: list[int] = list(range(num_pages))
+        self._uncreated_heaps = [list(range(p * self.partition_size,
+                                            (p + 1) * self.partition_size))
+                                 for p in range(partitions)]
+        self._free_in = [self.partition_size] * partitions
         self.num_in_use = 0
         self.peak_in_use = 0
         for page in range(precreate):
@@ -89,19 +105,27 @@ class PagePool:
         return self.ref_cnt[page] > 1
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self, num: int, hint: int | None = None) -> list[int] | None:
-        """Take ``num`` free pages (``ref_cnt`` 1 each, owned by the caller) or None if short.
+    def num_free_in(self, partition: int) -> int:
+        """Free pages of one partition (``num_free / partitions`` when used in lockstep)."""
+        return self._free_in[partition]
+
+    def allocate(self, num: int, hint: int | None = None, partition: int = 0
+                 ) -> list[int] | None:
+        """Take ``num`` free pages (``ref_cnt`` 1 each, owned by the caller) of ``partition``,
+        or None if it is short.
 
         Pages come in physically adjacent runs where possible, starting at ``hint``.
         """
-        if num > self.num_free:
+        if num > self.num_free or (self.partitions > 1 and num > self.num_free_in(partition)):
             return None
+        lo = partition * self.partition_size
+        hi = lo + self.partition_size
         pages: list[int] = []
         nxt = hint
         try:
             while len(pages) < num:
-                if nxt is None or not self._is_free(nxt):
-                    nxt = self._lowest_free()
+                if nxt is None or not lo <= nxt < hi or not self._is_free(nxt):
+                    nxt = self._lowest_free(partition)
                 self._take(nxt)
                 pages.append(nxt)
                 nxt += 1
@@ -125,6 +149,7 @@ class PagePool:
         self.ref_cnt[page] = cnt - 1
         if cnt == 1:
             self.num_in_use -= 1
+            self._free_in[page // self.partition_size] += 1
             self._make_idle(page)
 
     def trim(self) -> int:
@@ -139,7 +164,7 @@ class PagePool:
             self.backend.release_page(page)
             self._created[page] = 0
             self._uncreated.add(page)
-            heapq.heappush(self._uncreated_heap, page)
+            heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
         return excess
 
     def release_all_idle(self) -> None:
@@ -152,13 +177,14 @@ class PagePool:
     def _is_free(self, page: int) -> bool:
         return page in self._idle or page in self._uncreated
 
-    def _lowest_free(self) -> int:
-        while self._idle_heap:
-            page = heapq.heappop(self._idle_heap)
+    def _lowest_free(self, partition: int) -> int:
+        idle, uncreated = self._idle_heaps[partition], self._uncreated_heaps[partition]
+        while idle:
+            page = heapq.heappop(idle)
             if page in self._idle:
                 return page
-        while self._uncreated_heap:
-            page = heapq.heappop(self._uncreated_heap)
+        while uncreated:
+            page = heapq.heappop(uncreated)
             if page in self._uncreated:
                 return page
         raise AssertionError("page pool accounting is broken: no free page although num_free > 0")
@@ -170,11 +196,12 @@ class PagePool:
             try:
                 self._create(page)
             except BaseException:
-                heapq.heappush(self._uncreated_heap, page)  # popped by _lowest_free
+                heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
                 raise
             self._uncreated.discard(page)
         self.ref_cnt[page] = 1
         self.num_in_use += 1
+        self._free_in[page // self.partition_size] -= 1
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
 
     def _create(self, page: int) -> None:
@@ -183,7 +210,7 @@ class PagePool:
 
     def _make_idle(self, page: int) -> None:
         self._idle.add(page)
-        heapq.heappush(self._idle_heap, page)
+        heapq.heappush(self._idle_heaps[page // self.partition_size], page)
 
     def check(self) -> None:
         """Raise AssertionError if the pool's own accounting is inconsistent (tests)."""
@@ -195,3 +222,7 @@ class PagePool:
         for p in in_use:
             assert self._created[p] and p not in self._idle and p not in self._uncreated
         assert len(in_use) + len(self._idle) + len(self._uncreated) == self.num_pages
+        for part in range(self.partitions):
+            lo = part * self.partition_size
+            free = sum(1 for p in range(lo, lo + self.partition_size) if self.ref_cnt[p] == 0)
+            assert free == self._free_in[part], (part, free, self._free_in[part])

@@ -25,7 +25,8 @@ UNMAPPED = -1
 class VirtualRegion:
     """``num_pages`` pages of reserved virtual address space over a :class:`PagePool`."""
 
-    def __init__(self, pool: PagePool, nbytes: int, name: str = "") -> None:
+    def __init__(self, pool: PagePool, nbytes: int, name: str = "", partition: int = 0
+                 ) -> None:
         ps = pool.page_size
         if nbytes <= 0 or nbytes % ps:
             raise ValueError(
@@ -34,6 +35,7 @@ class VirtualRegion:
         self.pool = pool
         self.backend = pool.backend
         self.name = name
+        self.partition = partition  # the pool partition new pages come from
         self.nbytes = nbytes
         self.num_pages = nbytes // ps
         self.base = self.backend.reserve(nbytes)
@@ -63,7 +65,7 @@ class VirtualRegion:
         self._check_unmapped(va_page, num)
         prev = int(self.page_at[va_page - 1]) if va_page > 0 else UNMAPPED
         hint = prev + 1 if prev != UNMAPPED else None  # continue the physical run to the left
-        pages = self.pool.allocate(num, hint)
+        pages = self.pool.allocate(num, hint, self.partition)
         if pages is None:
             return None
         try:
