@@ -1,9 +1,8 @@
 """Background mapper: ordering, waiting without spinning, pause, errors, the never-unmap rule,
 and a virtual KV cache growing on the host backend (real mmap) while the mapper pre-maps.
 
-The KV side uses the hook of the integration diff for ``vmkv/kv/virtual.py``
-(``attach_mapper`` / ``premap_ahead``; see docs/gpu.md). Until the lead applies it, the
-subclass below carries exactly that hook; afterwards :class:`VirtualKVCache` itself is used.
+The KV side is :class:`VirtualKVCache`'s hook (``attach_mapper`` / ``premap_ahead``; see
+docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import functools
 import resource
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,67 +23,11 @@ from vmkv.memory.mapper import BackgroundMapper
 PAGE = 64 * 1024
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64)  # fp32 all-layers: 32 tokens per page
 
-if hasattr(VirtualKVCache, "premap_ahead"):
-    HookedKV: type[VirtualKVCache] = VirtualKVCache
-else:
-    class _Hooked(VirtualKVCache):
-        """The hook of the kv/virtual.py integration diff, verbatim in behaviour."""
-
-        _mapper: BackgroundMapper | None = None
-
-        def attach_mapper(self, mapper: BackgroundMapper | None) -> None:
-            self._quiesce()
-            self._mapper = mapper
-
-        def _quiesce(self) -> None:
-            if self._mapper is not None:
-                self._mapper.wait()
-
-        def premap_ahead(self, lookahead_tokens: int) -> list[Callable[[], int]]:
-            self._quiesce()
-            units: list[Callable[[], int]] = []
-            for rid, slot in self._slot_of.items():
-                want = min(self.layout.pages_for(self._num_tokens[rid] + lookahead_tokens),
-                           self.layout.slot_pages)
-                if want > self._mapped[slot]:
-                    units.append(functools.partial(self._premap_slot, rid, slot, want))
-            return units
-
-        def _premap_slot(self, request_id: str, slot: int, want: int) -> int:
-            grow = want - self._mapped[slot]
-            if self._slot_of.get(request_id) != slot or grow <= 0:
-                return 0
-            regions = len(self.regions)
-            budget = self.pool.max_runs
-            if grow * regions > self.pool.num_free or (
-                    budget is not None and self.pool.num_runs + grow * regions > budget):
-                return 0
-            return grow if self._grow(slot, grow) else 0
-
-    def _quiescing(name: str) -> None:
-        method = getattr(VirtualKVCache, name)
-
-        @functools.wraps(method)
-        def wrapped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self._quiesce()
-            return method(self, *args, **kwargs)
-
-        setattr(_Hooked, name, wrapped)
-
-    for _name in ("allocate", "can_allocate", "units_needed", "free", "fork", "swap_out",
-                  "swap_in", "check", "close", "mapped_pages"):
-        _quiescing(_name)
-    for _prop in ("usage", "free_units"):
-        _getter = getattr(VirtualKVCache, _prop).fget
-        setattr(_Hooked, _prop, property(
-            functools.wraps(_getter)(lambda self, g=_getter: (self._quiesce(), g(self))[1])))
-    HookedKV = _Hooked
-
-
 def kv_cache(num_pages: int = 96, slots: int = 8, layout: str = "all-layers",
              ) -> tuple[VirtualKVCache, HostMemoryBackend]:
     backend = HostMemoryBackend(PAGE, num_pages)
-    kv = HookedKV(SPEC, pool=PagePool(backend, num_pages), num_slots=slots, max_model_len=1024,
+    kv = VirtualKVCache(SPEC, pool=PagePool(backend, num_pages), num_slots=slots,
+                        max_model_len=1024,
                   layout=layout)
     return kv, backend
 

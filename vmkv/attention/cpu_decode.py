@@ -56,3 +56,17 @@ def run(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch
         out.copy_(res)
     else:
         out.index_copy_(0, batch.query_rows, res)
+
+
+def write_and_decode(meta: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float) -> torch.Tensor:
+    """The part of a CPU layer step both modes share: store the new K/V rows, allocate the
+    output ``[T, heads*D]`` and fill the decode rows with one kernel call (prefill rows are the
+    caller's)."""
+    k_flat.index_copy_(0, meta.write_rows, k)
+    v_flat.index_copy_(0, meta.write_rows, v)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    batch = meta.extra.get("decode")
+    if batch is not None:
+        run(batch, q, k_flat, v_flat, out, scale)
+    return out

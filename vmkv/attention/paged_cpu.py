@@ -62,12 +62,7 @@ class PagedGatherBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_flat, v_flat = self._flat[layer]
-        k_flat.index_copy_(0, meta.write_rows, k)
-        v_flat.index_copy_(0, meta.write_rows, v)
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        batch = meta.extra.get("decode")
-        if batch is not None:
-            cpu_decode.run(batch, q, k_flat, v_flat, out, scale)
+        out = cpu_decode.write_and_decode(meta, q, k, v, k_flat, v_flat, scale)
         rows = meta.extra["gather_rows"]
         if rows.numel():
             k_all = k_flat.index_select(0, rows)  # [sum seq_len of gathered requests, H, D]

@@ -57,12 +57,8 @@ class VirtualSdpaBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_flat, v_flat = self._flat[layer]
-        k_flat.index_copy_(0, meta.write_rows, k)
-        v_flat.index_copy_(0, meta.write_rows, v)
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        out = cpu_decode.write_and_decode(meta, q, k, v, k_flat, v_flat, scale)
         batch = meta.extra.get("decode")
-        if batch is not None:
-            cpu_decode.run(batch, q, k_flat, v_flat, out, scale)
         pos = 0
         for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
                                            strict=True):
