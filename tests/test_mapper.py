@@ -27,8 +27,7 @@ def kv_cache(num_pages: int = 96, slots: int = 8, layout: str = "all-layers",
              ) -> tuple[VirtualKVCache, HostMemoryBackend]:
     backend = HostMemoryBackend(PAGE, num_pages)
     kv = VirtualKVCache(SPEC, pool=PagePool(backend, num_pages), num_slots=slots,
-                        max_model_len=1024,
-                  layout=layout)
+                        max_model_len=1024, layout=layout)
     return kv, backend
 
 
