@@ -236,9 +236,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("kernels", help="attention alone: virtual slots vs block tables")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
     p.add_argument("--context-lens", type=_int_list, default=[256, 1024, 4096])
-    p.add_argument("--phases", type=lambda s: s.split(","), default=["decode", "prefill"])
+    p.add_argument("--phases", type=lambda s: s.split(","),
+                   default=["decode", "decode-sdpa", "prefill"])
     p.add_argument("--prefill-len", type=int, default=256, help="new tokens per prefill chunk")
-    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers")
+    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers",
+                   help="virtual layout of the timed caches")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -269,13 +271,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_size, default=1 << 30,
                    help="physical KV budget, e.g. 1G (default) or 512M")
     p.add_argument("--page-size", type=_size, default=None,
-                   help="virtual page size (default: 64K on CPU, driver granularity on CUDA)")
-    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers")
+                   help="virtual page size (default: 16K per-layer / 64K all-layers on CPU, "
+                        "the driver granularity on CUDA)")
+    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default=None,
+                   help="virtual layout (default: per-layer on CPU, all-layers on CUDA)")
     p.add_argument("--block-size", type=int, default=16, help="paged mode tokens per block")
     p.add_argument("--premap-pages", type=int, default=0)
     p.add_argument("--max-idle-memory", type=_size, default=None,
                    help="KV memory kept for reuse when idle; beyond it, memory is returned")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False, help="share the KV of common prefixes across requests")
+    p.add_argument("--prefix-cache-hash", choices=["sha256", "builtin"], default="sha256")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -288,7 +295,9 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
                         page_size=args.page_size, layout=args.kv_layout,
                         block_size=args.block_size, premap_pages=args.premap_pages,
                         max_idle_bytes=args.max_idle_memory,
-                        precreate=not args.device.startswith("cpu"))
+                        precreate=not args.device.startswith("cpu"),
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_cache_hash=args.prefix_cache_hash)
     return EngineConfig(model=getattr(args, "model", None), device=args.device,
                         dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs,

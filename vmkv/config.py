@@ -7,6 +7,12 @@ from dataclasses import dataclass
 LAYOUTS = ("all-layers", "per-layer")
 
 KV_MODES = ("virtual", "paged")
+HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
+
+
+def default_layout(device: str) -> str:
+    """The virtual layout used when none is asked for (see :class:`CacheConfig`)."""
+    return "per-layer" if device == "cpu" else "all-layers"
 
 
 @dataclass(frozen=True)
@@ -16,9 +22,14 @@ class CacheConfig:
     Attributes:
         kv_mode: "virtual" (contiguous slots, pages mapped on demand) or "paged" (block tables).
         kv_cache_bytes: physical KV budget in bytes (pages or blocks together).
-        page_size: virtual mode page size in bytes; None picks the backend default (host
-            64 KiB, CUDA the driver granularity, 2 MiB on Hopper).
-        layout: virtual layout, "all-layers" or "per-layer".
+        page_size: virtual mode page size in bytes; None picks the default for the device and
+            layout (host: 16 KiB per-layer, 64 KiB all-layers; CUDA: the driver granularity,
+            2 MiB on Hopper).
+        layout: virtual layout, "all-layers" or "per-layer"; None picks per-layer on the CPU
+            (token rows stay contiguous per layer: the all-layers layout puts every token of a
+            layer on its own 4 KiB page and decode attention becomes TLB-bound at long
+            contexts, see docs/benchmarks.md) and all-layers on CUDA (small effective pages
+            from 2 MiB granules).
         block_size: paged mode tokens per block.
         premap_pages: virtual mode pages mapped ahead of need per growth (when free).
         max_idle_bytes: memory kept for reuse when no request needs it (deferred slots and idle
@@ -31,7 +42,7 @@ class CacheConfig:
     kv_mode: str = "virtual"
     kv_cache_bytes: int = 1 << 30
     page_size: int | None = None
-    layout: str = "all-layers"
+    layout: str | None = None
     block_size: int = 16
     premap_pages: int = 0
     max_idle_bytes: int | None = None
@@ -46,7 +57,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.page_size is not None and self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.layout not in LAYOUTS:
+        if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

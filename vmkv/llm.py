@@ -26,8 +26,10 @@ class LLM:
         device: "cpu" or "cuda[:N]".
         dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
         kv_cache_memory: physical KV budget in bytes.
-        page_size: virtual page size in bytes (None: 64 KiB host, driver granularity on CUDA).
-        kv_layout: "all-layers" or "per-layer" (virtual mode).
+        page_size: virtual page size in bytes (None: 16 KiB per-layer / 64 KiB all-layers on the
+            host, the driver granularity on CUDA).
+        kv_layout: "all-layers" or "per-layer" (virtual mode); None: per-layer on CPU,
+            all-layers on CUDA.
         block_size: tokens per block (paged mode).
         enable_prefix_caching: share the KV of common prompt prefixes across requests.
         max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, seed:
@@ -43,7 +45,7 @@ class LLM:
         dtype: str = "auto",
         kv_cache_memory: int = 1 << 30,
         page_size: int | None = None,
-        kv_layout: str = "all-layers",
+        kv_layout: str | None = None,
         block_size: int = 16,
         premap_pages: int = 0,
         max_idle_memory: int | None = None,

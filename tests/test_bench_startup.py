@@ -1,0 +1,35 @@
+"""`vmkv bench startup`: a fresh process from spawn to its first token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vmkv.cli import main
+
+
+def test_startup_in_a_fresh_process(default_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    assert main(["bench", "startup", "--repeats", "1", "--max-model-len", "64",
+                 "--kv-cache-memory", "16M", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    m = result["median"]
+    assert 0 < m["interpreter_s"] <= m["imports_s"] <= m["engine_s"] <= m["first_token_s"]
+    assert result["engine_argv"] == ["--max-model-len", "64", "--kv-cache-memory", "16777216"]
+
+
+def test_engine_argv_reproduces_non_default_engine_options() -> None:
+    import argparse
+
+    from vmkv.bench.common import engine_argv
+    from vmkv.cli import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    argv = ["--kv-mode", "paged", "--kv-cache-memory", "64M", "--block-size", "32"]
+    if any("--enable-prefix-caching" in a.option_strings for a in p._actions):
+        argv.append("--enable-prefix-caching")
+    args = p.parse_args(argv)
+    out = engine_argv(args)
+    assert p.parse_args(out) == args
+    assert engine_argv(p.parse_args([])) == []

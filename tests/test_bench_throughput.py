@@ -1,0 +1,84 @@
+"""`vmkv bench throughput` end to end on the default model (tiny workload) and its pieces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vmkv.bench.throughput import summarise_runs
+from vmkv.cli import main
+
+pytestmark = pytest.mark.usefixtures("default_model")
+
+ENGINE = ["--max-model-len", "128", "--max-num-seqs", "8", "--kv-cache-memory", "64M"]
+TINY = ["--num-prompts", "4", "--input-len", "8:16", "--output-len", "4:12", "--seed", "3"]
+
+
+def test_both_modes_with_hf_baseline(tmp_path: Path) -> None:
+    out, png = tmp_path / "tp.json", tmp_path / "tp.png"
+    assert main(["bench", "throughput", "--kv-mode", "both", *TINY, *ENGINE, "--repeats", "1",
+                 "--warmup-prompts", "2", "--baseline", "hf", "--hf-batch-size", "2",
+                 "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    assert png.stat().st_size > 1000
+    assert result["bench"] == "throughput" and result["environment"]["torch"]
+    wanted = result["workload"]["output_tokens"]
+    assert result["workload"]["num_requests"] == 4
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"virtual", "paged"}
+    for mode, run in runs.items():
+        assert run["output_tokens"] == run["requested_output_tokens"] == wanted, mode
+        assert run["short_outputs"] == 0
+        for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                    "peak_kv_bytes_in_use", "elapsed_s"):
+            assert run[key] > 0, (mode, key)
+        assert 0 < run["kv_useful_fraction"] <= 1
+        assert run["preemptions"] == 0
+        assert len(run["trace"]["t"]) == run["steps"] > 0
+        assert run["trace"]["bytes_in_use"][-1] == 0  # everything freed at the end
+        assert result["startup"][mode]["startup_to_first_token_s"] > 0
+    assert runs["virtual"]["map_stall_s"] > 0 and runs["virtual"]["map_ops"]["map"]["calls"] > 0
+    assert runs["paged"]["map_stall_s"] == 0
+    assert len(result["ratios"]) == 1 and result["ratio_median"] > 0
+    hf = result["hf"]
+    assert hf["output_tokens"] == wanted and hf["generated_tokens"] >= wanted
+    assert hf["output_tokens_per_s"] > 0
+    assert set(result["ratio_vs_hf"]) == {"virtual", "paged"}
+    assert any(row["mode"] == "virtual/paged" for row in result["rows"])
+
+
+def test_single_mode_repeats_and_preemption_under_tight_memory(tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    # short prompts are all admitted, then grow to 20-32 tokens each in KV memory for 64 (4 blocks
+    # of 16): preemption must happen
+    assert main(["bench", "throughput", "--kv-mode", "paged", "--num-prompts", "3",
+                 "--input-len", "4:8", "--output-len", "16:24", "--max-model-len", "64",
+                 "--kv-cache-memory", str(46080 * 64), "--repeats", "2", "--warmup-prompts",
+                 "0", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["repeat"] for r in result["runs"]] == [0, 1]
+    assert "ratios" not in result
+    run = result["runs"][0]
+    assert run["preemptions"] > 0 and run["recomputed_tokens"] > 0
+    assert run["short_outputs"] == 0
+    assert run["output_tokens"] == run["requested_output_tokens"]
+    assert run["peak_kv_bytes_in_use"] <= 46080 * 64
+
+
+def test_ratios_are_per_repetition() -> None:
+    runs = [{"mode": m, "repeat": i, "output_tokens_per_s": v, "requests_per_s": 1.0,
+             "total_tokens_per_s": 1.0, "peak_kv_bytes_in_use": 1, "kv_useful_fraction": 1.0,
+             "preemptions": 0, "map_stall_s": 0.0}
+            for m, i, v in [("virtual", 0, 30.0), ("paged", 0, 20.0), ("paged", 1, 40.0),
+                            ("virtual", 1, 40.0), ("virtual", 2, 10.0), ("paged", 2, 10.0)]]
+    out = summarise_runs(runs)
+    assert out["ratios"] == [1.5, 1.0, 1.0]
+    assert out["ratio_median"] == 1.0
+    assert out["summary"]["virtual"]["output_tokens_per_s"] == 30.0
+
+
+def test_bad_options_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", *TINY, "--repeats", "0", "--no-progress"]) == 2
+    assert "repeats must be positive" in capsys.readouterr().err

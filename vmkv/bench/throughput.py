@@ -1,0 +1,259 @@
+"""``vmkv bench throughput``: offline, in-process, every request queued at once (vLLM's
+``bench throughput``), stepping :class:`~vmkv.engine.llm_engine.LLMEngine` directly so KV memory
+can be sampled after every step.
+
+Every request is greedy with ``ignore_eos=True`` and ``max_tokens=output_len``, so each mode
+and engine does exactly the same work. Per run:
+
+    throughput      requests/s, output tokens/s, total (prompt + output) tokens/s
+    KV memory       peak and mean ``usage.bytes_in_use`` (what live requests need), peak
+                    ``bytes_held`` (plus pages kept mapped for reuse), useful fraction
+                    (token bytes / bytes in use, summed over every step's sample)
+    scheduler       preemptions and recomputed tokens (``engine.scheduler.stats``, this run)
+    page mapping    virtual mode: time inside map + unmap + create + release calls (this run)
+
+The time spent sampling ``usage`` is measured and left out of the throughput (it is reported as
+``sample_overhead_s``). With two modes, both engines are built once and run alternately, the
+order flipped every repetition (V P, P V, V P...) so slow drift of a shared machine falls on
+both; each engine runs a warm-up (the first ``warmup_prompts`` requests) before the first
+repetition.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vmkv.bench.workloads import BenchRequest
+from vmkv.engine.config import EngineConfig
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.sampling_params import SamplingParams
+
+MAX_TRACE_POINTS = 400
+MAP_OPS = ("map", "unmap", "create", "release")
+
+
+def params_for(output_len: int) -> SamplingParams:
+    """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine)."""
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:
+    """Construct the engine and run one 1-token request right away (a cold first token).
+
+    Returns the engine and ``{"engine_init_s", "startup_to_first_token_s"}``, both measured from
+    the start of construction (the model cached; process start-up is ``bench startup``'s).
+    """
+    started = time.monotonic()
+    engine = LLMEngine(config)
+    init = time.monotonic() - started
+    engine.add_request("bench-probe", [engine.tokenizer.bos_token_id or 1] * 8, params_for(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine, {"engine_init_s": init,
+                    "startup_to_first_token_s": time.monotonic() - started}
+
+
+def _op_totals(engine: LLMEngine) -> dict[str, dict[str, int]]:
+    backend = getattr(engine.kv, "backend", None)
+    if backend is None:  # paged mode maps nothing
+        return {}
+    return {op: {"calls": s.calls, "pages": s.pages, "total_ns": s.total_ns}
+            for op, s in backend.stats.ops.items() if op in MAP_OPS}
+
+
+@dataclass
+class _Trace:
+    t: list[float] = field(default_factory=list)
+    bytes_in_use: list[int] = field(default_factory=list)
+    bytes_held: list[int] = field(default_factory=list)
+    token_bytes: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+
+    def sample(self, engine: LLMEngine, t: float) -> None:
+        usage = engine.kv.usage
+        self.t.append(t)
+        self.bytes_in_use.append(usage.bytes_in_use)
+        self.bytes_held.append(usage.bytes_held)
+        self.token_bytes.append(usage.token_bytes)
+        self.running.append(usage.num_requests)
+
+    def downsampled(self) -> dict[str, list[float]]:
+        stride = max(1, -(-len(self.t) // MAX_TRACE_POINTS))
+        return {k: v[::stride] for k, v in self.__dict__.items()}
+
+
+def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
+             progress: bool = True) -> dict[str, Any]:
+    """Queue every request, step until all finish, and return the run's numbers."""
+    stats = engine.scheduler.stats
+    before = (stats.num_preemptions, stats.num_recomputed_tokens)
+    ops_before = _op_totals(engine)
+    ids = [f"{tag}-{i}" for i in range(len(requests))]
+    bar = _bar(len(requests), tag, progress)
+    start = time.monotonic()
+    for rid, r in zip(ids, requests, strict=True):
+        engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len))
+    trace, overhead = _Trace(), 0.0
+    outputs: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        steps += 1
+        t = time.monotonic()
+        trace.sample(engine, t - start - overhead)
+        overhead += time.monotonic() - t
+    wall = time.monotonic() - start
+    if bar is not None:
+        bar.close()
+    elapsed = wall - overhead
+    result = _summarise(requests, [outputs[rid] for rid in ids], elapsed, start)
+    result.update(_kv_numbers(trace))
+    result["preemptions"] = stats.num_preemptions - before[0]
+    result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
+    result.update(_map_numbers(ops_before, _op_totals(engine)))
+    result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead,
+                  trace=trace.downsampled())
+    return result
+
+
+def _summarise(requests: Sequence[BenchRequest], outs: list[Any], elapsed: float,
+               start: float) -> dict[str, Any]:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics.first_token_time - start for o in outs if o.metrics.first_token_time]
+    e2e = [o.metrics.finish_time - start for o in outs if o.metrics.finish_time]
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requested_output_tokens": sum(r.output_len for r in requests),
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),  # prefix cache hits
+        "short_outputs": sum(len(o.outputs[0].token_ids) < r.output_len
+                             for o, r in zip(outs, requests, strict=True)),
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "first_token_s": min(ttft) if ttft else None,
+        "mean_ttft_s": statistics.fmean(ttft) if ttft else None,
+        "mean_e2e_s": statistics.fmean(e2e) if e2e else None,
+    }
+
+
+def _kv_numbers(trace: _Trace) -> dict[str, Any]:
+    in_use = sum(trace.bytes_in_use)
+    fractions = [t / b for t, b in zip(trace.token_bytes, trace.bytes_in_use, strict=True) if b]
+    return {
+        "peak_kv_bytes_in_use": max(trace.bytes_in_use, default=0),
+        "peak_kv_bytes_held": max(trace.bytes_held, default=0),
+        "mean_kv_bytes_in_use": in_use / len(trace.t) if trace.t else 0.0,
+        # byte-weighted over every step: sum(token bytes) / sum(bytes in use)
+        "kv_useful_fraction": sum(trace.token_bytes) / in_use if in_use else None,
+        "kv_useful_fraction_min": min(fractions, default=None),
+    }
+
+
+def _map_numbers(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+                 ) -> dict[str, Any]:
+    if not after:
+        return {"map_stall_s": 0.0, "map_ops": {}}
+    ops = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
+    return {"map_stall_s": sum(o["total_ns"] for o in ops.values()) / 1e9, "map_ops": ops}
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
+
+
+def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, repeats: int = 3,
+        warmup_prompts: int = 8, progress: bool = True) -> dict[str, Any]:
+    """Build one engine per mode (``{"virtual": cfg, "paged": cfg}`` or one of them), warm each
+    up, then run the workload ``repeats`` times per mode, alternating modes.
+
+    Returns ``{"startup", "runs", "summary", "ratios"?, "ratio_median"?}``; each run carries
+    ``mode`` and ``repeat``; ``ratios`` (virtual/paged output tokens/s per repetition) only
+    when both modes ran.
+    """
+    if repeats <= 0:
+        raise ValueError(f"repeats must be positive, got {repeats}")
+    if warmup_prompts < 0:
+        raise ValueError(f"warmup_prompts must be >= 0, got {warmup_prompts}")
+    engines: dict[str, LLMEngine] = {}
+    startup: dict[str, dict[str, float]] = {}
+    runs: list[dict[str, Any]] = []
+    try:
+        for mode, config in configs.items():
+            engines[mode], startup[mode] = build_engine(config)
+        for mode, engine in engines.items():
+            if warmup_prompts:
+                run_once(engine, requests[:warmup_prompts], tag=f"warmup-{mode}",
+                         progress=progress)
+        modes = list(engines)
+        for rep in range(repeats):
+            for mode in modes if rep % 2 == 0 else modes[::-1]:
+                result = run_once(engines[mode], requests, tag=f"{mode}-{rep}",
+                                  progress=progress)
+                runs.append({"mode": mode, "repeat": rep, **result})
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {"startup": startup, "runs": runs, **summarise_runs(runs)}
+
+
+SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                "peak_kv_bytes_in_use", "kv_useful_fraction", "preemptions", "map_stall_s")
+
+
+def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-mode medians and, with both modes, the virtual/paged ratio per repetition."""
+    summary: dict[str, dict[str, float]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {k: statistics.median(r[k] for r in mine) for k in SUMMARY_KEYS
+                         if all(r.get(k) is not None for r in mine)}
+    out: dict[str, Any] = {"summary": summary}
+    if {"virtual", "paged"} <= summary.keys():
+        by = {(r["mode"], r["repeat"]): r["output_tokens_per_s"] for r in runs}
+        reps = sorted({r["repeat"] for r in runs})
+        out["ratios"] = [by["virtual", i] / by["paged", i] for i in reps]
+        out["ratio_median"] = statistics.median(out["ratios"])
+    return out
+
+
+def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run, then the per-repetition ratios and HF baseline when present."""
+    rows = [{
+        "mode": r["mode"], "rep": r["repeat"], "req/s": r["requests_per_s"],
+        "out tok/s": r["output_tokens_per_s"], "total tok/s": r["total_tokens_per_s"],
+        "peak KV MiB": r["peak_kv_bytes_in_use"] / 2**20,
+        "useful %": 100 * (r["kv_useful_fraction"] or 0), "preempt": r["preemptions"],
+        "map ms": 1e3 * r["map_stall_s"], "time s": r["elapsed_s"],
+    } for r in result["runs"]]
+    for i, ratio in enumerate(result.get("ratios", [])):
+        rows.append({"mode": "virtual/paged", "rep": i, "out tok/s": ratio})
+    if "ratio_median" in result:
+        rows.append({"mode": "virtual/paged", "rep": "median", "out tok/s": result["ratio_median"]})
+    hf = result.get("hf")
+    if hf:
+        rows.append({"mode": f"hf (batch {hf['batch_size']})", "rep": 0,
+                     "req/s": hf["requests_per_s"], "out tok/s": hf["output_tokens_per_s"],
+                     "total tok/s": hf["total_tokens_per_s"], "time s": hf["elapsed_s"]})
+        for mode, ratio in result.get("ratio_vs_hf", {}).items():
+            rows.append({"mode": f"{mode}/hf", "rep": "median", "out tok/s": ratio})
+    return rows
+
+
+COLUMNS = ("mode", "rep", "req/s", "out tok/s", "total tok/s", "peak KV MiB", "useful %",
+           "preempt", "map ms", "time s")
