@@ -66,41 +66,46 @@ def test_create_and_release_commit_and_return_memory() -> None:
     backend.close()
 
 
-def test_allocation_prefers_physically_adjacent_runs(pool: PagePool) -> None:
+def test_new_runs_leave_room_for_growing_neighbours(pool: PagePool) -> None:
     a = VirtualRegion(pool, 16 * PAGE, "a")
     b = VirtualRegion(pool, 16 * PAGE, "b")
     assert a.map_new(0, 2) == [0, 1]
-    assert b.map_new(0, 2) == [2, 3]
-    assert a.map_new(2, 2) == [4, 5]  # 2 was taken: lowest free, then adjacent
-    a.unmap(0, 4)  # frees 0, 1, 4, 5
-    assert b.map_new(2, 2) == [4, 5]  # continues b's run at 3 -> 4, 5
-    assert a.num_runs == 0 and b.num_runs == 1  # VA 0..3 -> phys 2..5: one run
+    assert b.map_new(0, 2) == [10, 11]  # GROW_ROOM (8) free pages after a's run
+    assert a.map_new(2, 2) == [2, 3]  # so a grows in place
+    assert b.map_new(2, 3) == [12, 13, 14]
+    assert a.num_vmas == 2 and b.num_vmas == 2  # one run + the unmapped tail each
+    a.unmap(0, 4)
+    assert a.num_vmas == 1 and pool.num_vmas == 3
     a.close()
     b.close()
+    assert pool.num_vmas == 0
 
 
-def test_run_count_matches_kernel_vmas(pool: PagePool) -> None:
+def test_vma_count_matches_the_kernel(pool: PagePool) -> None:
     region = VirtualRegion(pool, 32 * PAGE)
     before = current_vma_count()
-    region.map_new(0, 8)  # one physically contiguous run
-    assert region.num_runs == 1
-    assert current_vma_count() - before <= 2  # the run, plus the PROT_NONE tail split off
-    region.map_shared(10, [3])  # a single page elsewhere: a second run
-    assert region.num_runs == 2
+    region.map_new(0, 8)  # one physically contiguous run, then the PROT_NONE tail
+    assert region.num_vmas == 2
+    assert current_vma_count() - before == region.num_vmas - 1
+    region.map_shared(10, [3])  # run, gap, single page, tail
+    assert region.num_vmas == 4
+    assert current_vma_count() - before == region.num_vmas - 1
+    region.unmap(10, 1)
+    assert region.num_vmas == 2 and current_vma_count() - before == 1
     region.close()
 
 
-def test_run_budget_fails_cleanly() -> None:
+def test_vma_budget_fails_cleanly() -> None:
     backend = HostMemoryBackend(PAGE, 32)
-    pool = PagePool(backend, 32, max_runs=2)
+    pool = PagePool(backend, 32, max_vmas=4)
     region = VirtualRegion(pool, 32 * PAGE)
     (p,) = region.map_new(0, 1)
-    region.map_shared(5, [p])
-    with pytest.raises(MappingBudgetExceeded, match="budget of 2"):
+    region.map_shared(5, [p])  # run, gap, run, tail: 4 VMAs
+    with pytest.raises(MappingBudgetExceeded, match="budget of 4"):
         region.map_shared(9, [p])
-    assert pool.ref_cnt[p] == 2 and region.num_runs == 2  # nothing changed
-    region.map_new(1, 4)  # extends the first run: no new run, allowed
-    assert region.num_runs == 2
+    assert pool.ref_cnt[p] == 2 and region.num_vmas == 4  # nothing changed
+    region.map_new(1, 4)  # extends the first run up to page 5: one VMA fewer, allowed
+    assert region.num_vmas == 3
     region.close()
     pool.check()
     backend.close()

@@ -103,7 +103,7 @@ def test_tiny_greedy_matches_transformers(tiny_model: tuple[str, Path, Any],
 def test_tiny_checkpoint_features(tiny_model: tuple[str, Path, Any]) -> None:
     """The configs really exercise what they are named after."""
     name, path, hf_model = tiny_model
-    model, cfg = load_model(path)
+    model, cfg = load_model(path, linear_backend="torch")  # inspects nn.Linear structure
     attn = model.layers[0].self_attn
     assert cfg.architecture == type(hf_model).__name__
     assert (attn.qkv_proj.bias is not None) == ("bias" in name)
@@ -409,7 +409,7 @@ def test_default_model_config_and_fast_reload(smol_dir: Path) -> None:
     resolved = time.perf_counter() - start
     assert resolved < 2.0, f"resolving a cached model took {resolved:.2f} s"
     start = time.perf_counter()
-    model, cfg = load_model(smol_dir)
+    model, cfg = load_model(smol_dir, linear_backend="torch")  # checks the tied nn.Linear
     loaded = time.perf_counter() - start
     assert loaded < 3.0, f"loading the default model took {loaded:.2f} s"
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)

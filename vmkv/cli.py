@@ -283,6 +283,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=False, help="share the KV of common prefixes across requests")
     p.add_argument("--prefix-cache-hash", choices=["sha256", "builtin"], default="sha256")
+    p.add_argument("--linear-backend", choices=["auto", "torch", "onednn"], default="auto",
+                   help="CPU float32 linears: oneDNN with packed weights (auto) or F.linear")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -302,7 +304,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
                         dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        preemption_mode=args.preemption_mode, cache=cache, seed=args.seed)
+                        preemption_mode=args.preemption_mode, cache=cache, seed=args.seed,
+                        linear_backend=args.linear_backend)
 
 
 # -- serve / generate / model ---------------------------------------------------------------------

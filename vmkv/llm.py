@@ -32,6 +32,7 @@ class LLM:
             all-layers on CUDA.
         block_size: tokens per block (paged mode).
         enable_prefix_caching: share the KV of common prompt prefixes across requests.
+        linear_backend: "auto" (oneDNN-packed linears for float32 on CPU), "onednn", "torch".
         max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, seed:
             as in :class:`~vmkv.engine.config.EngineConfig`.
     """
@@ -55,6 +56,7 @@ class LLM:
         preemption_mode: str = "recompute",
         seed: int = 0,
         enable_prefix_caching: bool = False,
+        linear_backend: str = "auto",
     ) -> None:
         cache = CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_cache_memory,
                             page_size=page_size, layout=kv_layout, block_size=block_size,
@@ -64,7 +66,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode, cache=cache, seed=seed))
+            preemption_mode=preemption_mode, cache=cache, seed=seed,
+            linear_backend=linear_backend))
         self._ids = itertools.count()
 
     @classmethod

@@ -26,6 +26,8 @@ class EngineConfig:
         cache: KV memory settings (mode, budget, page size, layout, block size).
         seed: seed of the shared generator for unseeded sampling.
         tokenizer: tokenizer folder when it differs from the model's.
+        linear_backend: "auto" (oneDNN-packed linears for float32 on CPU), "onednn" or
+            "torch" (plain ``F.linear``, bit-for-bit what transformers computes).
     """
 
     model: str | None = None
@@ -38,6 +40,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     seed: int = 0
     tokenizer: str | None = None
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -51,6 +54,9 @@ class EngineConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_backend must be 'auto', 'torch' or 'onednn', "
+                             f"got {self.linear_backend!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")

@@ -59,7 +59,8 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.dtype = parse_dtype(config.torch_dtype_name)
-        self.model, self.model_config = load_model(self.model_path, self.dtype, config.device)
+        self.model, self.model_config = load_model(self.model_path, self.dtype, config.device,
+                                                   linear_backend=config.linear_backend)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         limit = self.model_config.max_model_len
         if config.max_model_len is not None and config.max_model_len > limit:

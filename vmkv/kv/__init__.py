@@ -39,7 +39,7 @@ def create_kv_cache(
                             enable_prefix_caching=config.enable_prefix_caching,
                             prefix_cache_hash=config.prefix_cache_hash)
 
-    from vmkv.memory import PagePool, create_backend, default_run_budget
+    from vmkv.memory import PagePool, create_backend, default_vma_budget
 
     layout_name = config.layout or default_layout(device)
     requested = config.page_size
@@ -60,7 +60,7 @@ def create_kv_cache(
         num_pages,
         precreate=num_pages if config.precreate else 0,
         max_idle_pages=idle_pages,
-        max_runs=default_run_budget(backend),
+        max_vmas=default_vma_budget(backend),
         partitions=layout.num_regions,  # one per region: lockstep growth, adjacent pages
     )
     return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,

@@ -138,9 +138,9 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         if self._slot_of.get(request_id) != slot or grow <= 0:
             return 0
         regions = len(self.regions)
-        budget = self.pool.max_runs
+        budget = self.pool.max_vmas
         if grow * regions > self.pool.num_free or (
-                budget is not None and self.pool.num_runs + grow * regions > budget):
+                budget is not None and self.pool.num_vmas + grow * regions > budget):
             return 0  # checked first, so _grow never rolls back (unmaps) on this thread
         return grow if self._grow(slot, grow) else 0
 
@@ -498,12 +498,12 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
             mapped = region.page_at[region.page_at != UNMAPPED]
             np.add.at(refs, mapped, 1)
             assert region.num_mapped == len(mapped)
-            runs += region.num_runs
+            runs += region.num_vmas
         for pages in self._cache_holds():
             for page in pages:
                 refs[page] += 1
         assert refs.tolist() == pool.ref_cnt, "page ref counts disagree with mappings + cache"
-        assert runs == pool.num_runs
+        assert runs == pool.num_vmas
 
     def close(self) -> None:
         self._quiesce()

@@ -15,7 +15,7 @@ __all__ = [
     "VirtualRegion",
     "VmmError",
     "create_backend",
-    "default_run_budget",
+    "default_vma_budget",
 ]
 
 HOST_DEFAULT_PAGE_SIZE = 64 * 1024  # no huge pages for shared memory here; 64 KiB is a good middle
@@ -34,12 +34,11 @@ def create_backend(device: str, page_size: int | None, max_pages: int) -> Memory
     raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
 
 
-def default_run_budget(backend: MemoryBackend) -> int | None:
-    """Mapped-run budget for ``backend``: on the host, what keeps the process's VMAs under
-    3/4 of ``vm.max_map_count`` (each run costs at most two VMAs: itself and the PROT_NONE gap
-    after it); None (no budget) on CUDA."""
+def default_vma_budget(backend: MemoryBackend) -> int | None:
+    """VMA budget of the regions on ``backend``: on the host, what keeps the process under 3/4
+    of ``vm.max_map_count`` with the VMAs it already has; None (no budget) on CUDA."""
     if backend.name != "host":
         return None
     from vmkv.memory.host import current_vma_count, max_map_count
 
-    return max(16, (max_map_count() * 3 // 4 - current_vma_count()) // 2)
+    return max(64, max_map_count() * 3 // 4 - current_vma_count())

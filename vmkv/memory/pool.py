@@ -10,9 +10,11 @@ Every page is in exactly one state:
 plus explicit holders (a prefix cache, say). A page mapped at two virtual addresses has
 ``ref_cnt == 2``: that is how sharing and copy-on-write are expressed.
 
-Allocation prefers the page after ``hint`` (physically adjacent to what the caller mapped last),
-then the lowest idle page, then the lowest uncreated one, so growing slots get long physically
-contiguous runs (one VMA each on the host) and created memory stays packed at low ids.
+Allocation prefers the page after ``hint`` (physically adjacent to what the caller mapped last).
+A new run starts at the lowest free page that has ``GROW_ROOM`` free pages between it and the end
+of any run before it (else at the lowest free page), so the many slots that grow at once each
+extend their own physically contiguous run (one VMA each on the host) instead of taking the page
+right after a neighbour's.
 
 With ``partitions=P`` the ids are split into P equal contiguous ranges and each allocation names
 its partition. Layouts whose regions grow in lockstep (the per-layer layout: one page in each of
@@ -24,7 +26,13 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
+
 from vmkv.memory.base import MemoryBackend
+
+#: free pages a new run leaves after the end of another run, so that run can keep growing in
+#: place (many slots grow at once; starting right after a neighbour would cut its run short)
+GROW_ROOM = 8
 
 
 class PagePool:
@@ -37,7 +45,8 @@ class PagePool:
         max_idle_pages: idle (created, unreferenced) pages kept for reuse; beyond this low-water
             mark :meth:`trim` releases the highest ones, so memory held tracks live data.
             ``None`` keeps every created page.
-        max_runs: budget on mapped runs over all regions (host VMAs); ``None`` for no budget.
+        max_vmas: budget on the VMAs of all regions (host mapped runs + unmapped stretches);
+            ``None`` for no budget.
         partitions: split the ids into this many equal ranges (``num_pages`` is rounded down
             to a multiple); :meth:`allocate` then takes the partition to draw from.
     """
@@ -49,7 +58,7 @@ class PagePool:
         *,
         precreate: int = 0,
         max_idle_pages: int | None = None,
-        max_runs: int | None = None,
+        max_vmas: int | None = None,
         partitions: int = 1,
     ) -> None:
         if not 0 < num_pages <= backend.max_pages:
@@ -67,8 +76,8 @@ class PagePool:
         self.page_size = backend.page_size
         self.num_pages = num_pages
         self.max_idle_pages = max_idle_pages
-        self.max_runs = max_runs
-        self.num_runs = 0  # maintained by the regions
+        self.max_vmas = max_vmas
+        self.num_vmas = 0  # maintained by the regions (mapped runs + unmapped stretches)
         self.ref_cnt = [0] * num_pages
         self._created = bytearray(num_pages)
         self.partitions = partitions
@@ -80,6 +89,7 @@ class PagePool:
                                             (p + 1) * self.partition_size))
                                  for p in range(partitions)]
         self._free_in = [self.partition_size] * partitions
+        self._free_mask = np.ones(num_pages, dtype=bool)
         self.num_in_use = 0
         self.peak_in_use = 0
         for page in range(precreate):
@@ -125,7 +135,9 @@ class PagePool:
         try:
             while len(pages) < num:
                 if nxt is None or not lo <= nxt < hi or not self._is_free(nxt):
-                    nxt = self._lowest_free(partition)
+                    nxt = self._run_start(lo, hi, num - len(pages))
+                    if nxt is None:
+                        nxt = self._lowest_free(partition)
                 self._take(nxt)
                 pages.append(nxt)
                 nxt += 1
@@ -150,6 +162,7 @@ class PagePool:
         if cnt == 1:
             self.num_in_use -= 1
             self._free_in[page // self.partition_size] += 1
+            self._free_mask[page] = True
             self._make_idle(page)
 
     def trim(self) -> int:
@@ -174,6 +187,18 @@ class PagePool:
         self.max_idle_pages = keep
 
     # -- internals ----------------------------------------------------------------------------
+    def _run_start(self, lo: int, hi: int, num: int) -> int | None:
+        """Where a new run of ``num`` pages should start in ``[lo, hi)`` (None: no such room)."""
+        free = self._free_mask[lo:hi]
+        if free[:num].all():
+            return lo  # nothing before it to leave room for
+        need = GROW_ROOM + num
+        if len(free) < need:
+            return None
+        counts = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+        windows = np.flatnonzero(counts[need:] - counts[:-need] == need)
+        return lo + int(windows[0]) + GROW_ROOM if windows.size else None
+
     def _is_free(self, page: int) -> bool:
         return page in self._idle or page in self._uncreated
 
@@ -202,6 +227,7 @@ class PagePool:
         self.ref_cnt[page] = 1
         self.num_in_use += 1
         self._free_in[page // self.partition_size] -= 1
+        self._free_mask[page] = False
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
 
     def _create(self, page: int) -> None:
@@ -226,3 +252,4 @@ class PagePool:
             lo = part * self.partition_size
             free = sum(1 for p in range(lo, lo + self.partition_size) if self.ref_cnt[p] == 0)
             assert free == self._free_in[part], (part, free, self._free_in[part])
+        assert (self._free_mask == (np.array(self.ref_cnt) == 0)).all()

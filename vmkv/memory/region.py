@@ -6,7 +6,9 @@
 Each mapping holds one reference on its physical page (``PagePool.ref_cnt``), so mapping the
 same physical page at two addresses (sharing, copy-on-write) is just two references. A *run* is
 a maximal stretch of mapped virtual pages whose physical ids are consecutive; on the host each
-run is one kernel VMA, so the pool's run budget keeps the process under ``vm.max_map_count``.
+run is one kernel VMA, and so is each maximal unmapped (PROT_NONE) stretch between them. The
+region counts both exactly (``num_vmas``), and the pool's budget on their sum keeps the process
+under ``vm.max_map_count``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class VirtualRegion:
         self.base = self.backend.reserve(nbytes)
         self.page_at = np.full(self.num_pages, UNMAPPED, dtype=np.int64)  # va page -> phys page
         self.num_mapped = 0
-        self.num_runs = 0
+        self.num_vmas = 1  # the reservation: one PROT_NONE stretch
+        pool.num_vmas += 1
         self._bytes: torch.Tensor | None = None
 
     # -- views --------------------------------------------------------------------------------
@@ -95,12 +98,12 @@ class VirtualRegion:
             raise ValueError(f"{self.name}: unmap of pages {va_page}..{va_page + num - 1} "
                              "which are not all mapped")
         old = [int(p) for p in pages]
-        delta = self._runs_delta(va_page, num, None)
+        delta = self._vmas_delta(va_page, num, None)
         for start, _, count in _runs(va_page, old):
             self.backend.unmap_run(self.va_of(start), count)
             self.page_at[start : start + count] = UNMAPPED
         self.num_mapped -= num
-        self._add_runs(delta)
+        self._add_vmas(delta)
         for page in old:
             self.pool.release(page)
         return old
@@ -121,6 +124,7 @@ class VirtualRegion:
             self.unmap(int(va_page), 1)
         self._bytes = None
         self.backend.free_reservation(self.base, self.nbytes)
+        self._add_vmas(-self.num_vmas)
 
     # -- internals ----------------------------------------------------------------------------
     def _check_unmapped(self, va_page: int, num: int) -> None:
@@ -132,12 +136,12 @@ class VirtualRegion:
                              "(partly) mapped")
 
     def _map(self, va_page: int, pages: list[int]) -> None:
-        delta = self._runs_delta(va_page, len(pages), pages)
-        budget = self.pool.max_runs
-        if budget is not None and delta > 0 and self.pool.num_runs + delta > budget:
+        delta = self._vmas_delta(va_page, len(pages), pages)
+        budget = self.pool.max_vmas
+        if budget is not None and delta > 0 and self.pool.num_vmas + delta > budget:
             raise MappingBudgetExceeded(
-                f"mapping {len(pages)} pages would need {self.pool.num_runs + delta} mapped runs "
-                f"(VMAs), over the budget of {budget}; use larger pages, the all-layers layout, "
+                f"mapping {len(pages)} pages would need {self.pool.num_vmas + delta} VMAs, "
+                f"over the budget of {budget}; use larger pages, the all-layers layout, "
                 "fewer slots, or raise vm.max_map_count"
             )
         done = 0
@@ -153,28 +157,28 @@ class VirtualRegion:
                 self.page_at[va_page : va_page + done] = UNMAPPED
             raise
         self.num_mapped += len(pages)
-        self._add_runs(delta)
+        self._add_vmas(delta)
 
-    def _add_runs(self, delta: int) -> None:
-        self.num_runs += delta
-        self.pool.num_runs += delta
+    def _add_vmas(self, delta: int) -> None:
+        self.num_vmas += delta
+        self.pool.num_vmas += delta
 
-    def _runs_delta(self, va_page: int, num: int, new: list[int] | None) -> int:
-        """Change in run count if ``[va_page, va_page+num)`` became ``new`` (None: unmapped)."""
+    def _vmas_delta(self, va_page: int, num: int, new: list[int] | None) -> int:
+        """Change in VMAs if ``[va_page, va_page+num)`` became ``new`` (None: unmapped)."""
         lo, hi = max(va_page - 1, 0), min(va_page + num + 1, self.num_pages)
         before = self.page_at[lo:hi]
         after = before.copy()
         after[va_page - lo : va_page - lo + num] = UNMAPPED if new is None else new
-        return _count_runs(after) - _count_runs(before)
+        return _count_vmas(after) - _count_vmas(before)
 
 
-def _count_runs(pages: np.ndarray) -> int:
-    """Maximal stretches of mapped entries with consecutive physical ids."""
-    mapped = pages != UNMAPPED
-    if not mapped.any():
+def _count_vmas(pages: np.ndarray) -> int:
+    """Maximal mapped runs (consecutive physical ids) plus maximal unmapped stretches."""
+    if not len(pages):
         return 0
-    continues = mapped[1:] & mapped[:-1] & (pages[1:] == pages[:-1] + 1)
-    return int(mapped.sum() - continues.sum())
+    mapped = pages != UNMAPPED
+    same = (mapped[1:] == mapped[:-1]) & (~mapped[1:] | (pages[1:] == pages[:-1] + 1))
+    return int(len(pages) - same.sum())
 
 
 def _runs(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:

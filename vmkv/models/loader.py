@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
+from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,12 @@ def hf_to_vmkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> tuple[LlamaModel, ModelConfig]:
+               device: str | torch.device = "cpu", *, linear_backend: str = "auto"
+               ) -> tuple[LlamaModel, ModelConfig]:
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
+
+    ``linear_backend`` (float32 on CPU): "auto"/"onednn" pack the linear layers for oneDNN
+    (:mod:`vmkv.models.linear`), "torch" keeps ``F.linear``.
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
     weights that do not fit the config.
@@ -134,6 +139,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,
                 _num_params(model), cfg.num_layers, path, dtype, device)
+    pack_linears(model, linear_backend)
     return model, cfg
 
 
