@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export OMP_WAIT_POLICY ?= PASSIVE
+export GOMP_SPINCOUNT ?= 20000
 PYTEST_ARGS ?=
 MODEL ?=
 SERVE_ARGS ?=

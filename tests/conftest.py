@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # small torch ops stall ~8 ms otherwise
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # ...and a short spin saves wake-ups
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

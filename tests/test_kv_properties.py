@@ -130,7 +130,7 @@ class BothModes(RuleBasedStateMachine):
         assert self.paged.pool.num_in_use == 0
         assert self.virtual.usage.bytes_in_use == 0
         self.virtual.close()
-        assert self.virtual.pool.num_in_use == 0 and self.virtual.pool.num_runs == 0
+        assert self.virtual.pool.num_in_use == 0 and self.virtual.pool.num_vmas == 0
 
 
 class BothModesPerLayer(BothModes):

@@ -66,7 +66,8 @@ class MarkerRunner:
 def run_all(kv_mode: str, kv_bytes: int, preemption: str, prompts: list[list[int]],
             max_tokens: int, budget: int = 64, max_num_seqs: int = 8):
     kv = create_kv_cache(CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_bytes,
-                                     page_size=4096), SPEC, num_slots=max_num_seqs,
+                                     page_size=4096, layout="all-layers"), SPEC,
+                         num_slots=max_num_seqs,
                          max_model_len=512)
     sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       preemption_mode=preemption)

@@ -11,7 +11,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see docs/cpu.md
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see vmkv/__init__)
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 Command = Callable[[argparse.Namespace], int]
 

@@ -28,13 +28,18 @@ def attend_one(
         out = F.scaled_dot_product_attention(qg, kt, vt, scale=scale)
         return out.reshape(1, heads * d)
     qt = q.transpose(0, 1)  # [heads, n, D]
-    if context_len == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                             enable_gqa=group > 1)
-    else:
-        seq = context_len + n
-        # new token i (position context_len + i) sees positions 0 .. context_len + i
-        mask = torch.ones(n, seq, dtype=torch.bool, device=q.device).tril(context_len)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                             enable_gqa=group > 1)
+    out = _prefill(qt, kt, vt, context_len, scale, group)  # [heads, n, D]
     return out.transpose(0, 1).reshape(n, heads * d)  # [n, heads*D]
+
+
+def _prefill(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, context_len: int,
+             scale: float, group: int) -> torch.Tensor:
+    n = qt.shape[1]
+    if context_len == 0:
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                              enable_gqa=group > 1)
+    seq = context_len + n
+    # new token i (position context_len + i) sees positions 0 .. context_len + i
+    mask = torch.ones(n, seq, dtype=torch.bool, device=qt.device).tril(context_len)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                          enable_gqa=group > 1)

@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
+        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         xf = x.to(torch.float32)
         variance = xf.pow(2).mean(-1, keepdim=True)
@@ -65,21 +67,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, head_dim] in `dtype`
+        # positions: [T] -> cos, signed sin: [T, 1, head_dim] in `dtype`, computed once per step
         freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, head_dim/2] fp32
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` (neox half-split) by ``cos, signed_sin [T, 1, D]``.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (neox half-split)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
-    return (x * cos) + (rotate_half(x) * sin)
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` is written as
+    ``x * cos + cat(x2, x1) * cat(-sin, sin)``: the same products (a sign moved), one roll.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class GatedMLP(nn.Module):

@@ -43,15 +43,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, head_dim]
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        # x: [T, hidden]; cos, sin: [T, 1, head_dim]
+        t, hq = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        heads = qkv.view(t, hq + 2 * self.num_kv_heads, self.head_dim)
+        v = heads[:, hq + self.num_kv_heads :]  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(heads[:, :hq]), cos, sin)  # [T, Hq, D]
+            k = apply_rope(self.k_norm(heads[:, hq : hq + self.num_kv_heads]), cos, sin)
+        else:  # q and k heads are adjacent: rotate them in one go
+            qk = apply_rope(heads[:, : hq + self.num_kv_heads], cos, sin)  # [T, Hq + Hkv, D]
+            q, k = qk[:, :hq], qk[:, hq:]
         out = attn.forward(self.layer, q, k, v, meta, self.scale)  # [T, Hq * D]
         return self.o_proj(out)  # [T, hidden]
 
@@ -134,7 +136,7 @@ class LlamaModel(nn.Module):
         ``meta``'s request order; the KV manager must already hold room for every token.
         """
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
+        cos, sin = self.rotary(positions, x.dtype)  # [T, 1, head_dim] each
         for layer in self.layers:
             x = layer(x, cos, sin, attn, meta)
         return self.norm(x)
