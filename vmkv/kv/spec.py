@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,16 +37,16 @@ class KVSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @cached_property
     def head_bytes(self) -> int:
         """Bytes of one layer's K (or V) for one token."""
         return self.num_kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
         return 2 * self.num_layers * self.head_bytes
@@ -68,32 +69,32 @@ class VirtualLayout:
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
 
-    @property
+    @cached_property
     def num_regions(self) -> int:
         return 2 * self.spec.num_layers if self.name == "per-layer" else 1
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         """Bytes one token occupies in one region."""
         spec = self.spec
         return spec.head_bytes if self.name == "per-layer" else spec.bytes_per_token
 
-    @property
+    @cached_property
     def token_alignment(self) -> int:
         """Smallest token count whose rows fill a whole number of pages."""
         return math.lcm(self.row_bytes, self.page_size) // self.row_bytes
 
-    @property
+    @cached_property
     def slot_tokens(self) -> int:
         """Tokens per slot: ``max_model_len`` rounded up to :attr:`token_alignment`."""
         align = self.token_alignment
         return -(-self.max_model_len // align) * align
 
-    @property
+    @cached_property
     def slot_bytes(self) -> int:
         return self.slot_tokens * self.row_bytes
 
-    @property
+    @cached_property
     def slot_pages(self) -> int:
         return self.slot_bytes // self.page_size
 
