@@ -73,7 +73,8 @@ class _BodyLimit:
 
 
 class _ApiKey:
-    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>`` (constant-time check).
+    """ASGI middleware: ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer <key>``
+    (constant-time check).
 
     Pure ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware wraps the receive
     channel and hides client disconnects from the endpoints.
@@ -83,7 +84,7 @@ class _ApiKey:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/reset_prefix_cache")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "invalid or missing API key")
@@ -103,6 +104,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(_ApiKey, key=config.api_key)
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
@@ -125,6 +127,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if engine.is_alive:
             metrics.snapshot = await engine.call(take_snapshot)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        dropped = await engine.call(lambda e: e.reset_prefix_cache())
+        return {"dropped_units": dropped}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -115,6 +115,30 @@ def test_pages_holding_fractional_tokens_share_only_whole_pages() -> None:
     frac.check()
 
 
+@pytest.mark.parametrize("mode", MAKERS)
+def test_reset_forgets_every_unit_and_leaves_running_requests_their_kv(mode: str) -> None:
+    kv = MAKERS[mode]()
+    idle, running = list(range(100, 140)), list(range(600, 650))
+    compute(kv, "idle", idle)
+    kv.free("idle")  # 2 units held only by the cache
+    compute(kv, "run", running)  # 3 units held by the cache and by "run"
+    free_before = kv.free_units
+    run_units = units(kv, "run")
+    assert kv.reset_prefix_cache() == 5
+    assert kv.usage.bytes_cached == 0 and len(kv.prefix) == 0
+    assert kv.free_units == free_before  # cache-only units were already counted as free
+    assert units(kv, "run") == run_units  # "run" keeps its KV, now its own
+    assert all(kv.pool.ref_cnt[p] == 1 for u in run_units[:3]
+               for p in (u if isinstance(u, tuple) else (u,)))
+    assert compute(kv, "again", idle) == 0 and compute(kv, "again2", running) == 0
+    kv.check()
+    for rid in ("run", "again", "again2"):
+        kv.free(rid)
+    assert kv.reset_prefix_cache() == 5
+    kv.check()
+    assert kv.usage.bytes_in_use == 0 and kv.usage.bytes_cached == 0
+
+
 def test_hash_chain_is_deterministic_and_salted() -> None:
     for name in ("sha256", "builtin"):
         h = chain_hasher(name)

@@ -187,6 +187,10 @@ def test_prefix_cache_hits_show_in_usage_and_salts_isolate(srv: Running,
     m = metrics(srv.url)
     assert m["vmkv:prefix_cache_hits_total"] > 0
     assert m["vmkv:prefix_cache_queries_total"] > m["vmkv:prefix_cache_hits_total"]
+    reset = httpx.post(f"{srv.url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["dropped_units"] > 0
+    cold = client.chat.completions.create(**kw, extra_body={"cache_salt": "t1"})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_tokenize_detokenize(srv: Running) -> None:
@@ -292,6 +296,8 @@ def test_malformed_json_and_body_limit_and_api_key(engine: AsyncEngine) -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 401
+        assert httpx.post(f"{url}/reset_prefix_cache", headers=ok).status_code == 200
     finally:
         guarded.stop()
 

@@ -128,6 +128,10 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix unit (see :meth:`LLMEngine.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True
                             ) -> list[int]:
         """Token ids of a conversation under the model's chat template."""

@@ -20,6 +20,7 @@ VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-vllm-cpu}
 KV_MODE=${KV_MODE:-virtual}
 REPEATS=${REPEATS:-1}
+BASELINE=${BASELINE:-none}   # BASELINE=hf adds HF static batching to the same run
 mkdir -p "$OUT"
 export OMP_WAIT_POLICY=PASSIVE
 
@@ -54,9 +55,9 @@ grep '^VLLM_RESULT ' "$OUT/vllm.log" | tail -1 | sed 's/^VLLM_RESULT //' > "$OUT
 
 "$VMKV_PY" -m vmkv.cli bench throughput --workload jsonl --jsonl "$OUT/workload.jsonl" \
     --num-prompts 64 --kv-mode "$KV_MODE" --repeats "$REPEATS" --warmup-prompts 8 \
-    --json "$OUT/vmkv.json"
+    --baseline "$BASELINE" --json "$OUT/vmkv.json"
 
-"$VMKV_PY" - "$OUT/vllm.json" "$OUT/vmkv.json" <<'PY'
+"$VMKV_PY" - "$OUT/vllm.json" "$OUT/vmkv.json" "$OUT/peers.json" <<'PY'
 import json, sys
 vllm = json.load(open(sys.argv[1]))
 vmkv = json.load(open(sys.argv[2]))
@@ -64,4 +65,5 @@ for mode, s in vmkv["summary"].items():
     ratio = s["output_tokens_per_s"] / vllm["output_tokens_per_s"]
     print(f"vLLM-cpu {vllm['output_tokens_per_s']:.1f} output tok/s; vmkv ({mode}) "
           f"{s['output_tokens_per_s']:.1f} output tok/s; vmkv/vLLM = {ratio:.2f}x")
+json.dump({"vllm": vllm, "vmkv": vmkv}, open(sys.argv[3], "w"), indent=1)
 PY

@@ -16,7 +16,8 @@ The time spent sampling ``usage`` is measured and left out of the throughput (it
 ``sample_overhead_s``). With two modes, both engines are built once and run alternately, the
 order flipped every repetition (V P, P V, V P...) so slow drift of a shared machine falls on
 both; each engine runs a warm-up (the first ``warmup_prompts`` requests) before the first
-repetition.
+repetition. With prefix caching on, the cache is reset before every repetition, so hits come only
+from sharing within the repetition (not from the warm-up or an earlier repetition).
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
         modes = list(engines)
         for rep in range(repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
+                engines[mode].reset_prefix_cache()  # every repetition starts cold
                 result = run_once(engines[mode], requests, tag=f"{mode}-{rep}",
                                   progress=progress)
                 runs.append({"mode": mode, "repeat": rep, **result})

@@ -208,6 +208,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix unit; returns how many (0 when prefix caching is off).
+
+        Running requests keep their KV (see ``PrefixCachingMixin.reset_prefix_cache``).
+        """
+        return self.kv.reset_prefix_cache()
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that changed (finished ones last

@@ -154,6 +154,10 @@ class KVCacheManager(ABC):
                        cache_salt: str | None = None) -> None:
         """Publish the request's completely computed units to the prefix cache (no-op if off)."""
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached unit; returns how many (0 when prefix caching is off)."""
+        return 0
+
     def has_request(self, request_id: str) -> bool:
         return self.num_tokens(request_id) > 0 or request_id in self.request_ids()
 

@@ -208,6 +208,25 @@ class PrefixCachingMixin:
             freed += self._payload_units(entry[1])
         return freed
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached unit (vLLM's ``reset_prefix_cache``); returns how many.
+
+        The cache's own references are released: units only the cache held go back to the free
+        pool, units that running requests use stay theirs, no longer shared with later requests.
+        Hit statistics are kept. Benchmarks call it so that each repetition starts cold.
+        """
+        if self.prefix is None:
+            return 0
+        self._quiesce()
+        dropped = 0
+        while (entry := self.prefix.evict(lambda _payload: True)) is not None:
+            self._unhold(entry[1])
+            dropped += 1
+        return dropped
+
+    def _quiesce(self) -> None:
+        """Wait for background work on the manager (virtual mode's mapper); none by default."""
+
     def _num_evictable(self) -> int:
         if self.prefix is None:
             return 0
