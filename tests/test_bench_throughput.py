@@ -67,23 +67,28 @@ def test_single_mode_repeats_and_preemption_under_tight_memory(tmp_path: Path) -
     assert run["peak_kv_bytes_in_use"] <= 46080 * 64
 
 
-def test_prefix_caching_repetitions_start_cold(tmp_path: Path) -> None:
-    """Shared-prefix workload with caching on: each repetition hits only within itself, not
-    on what the warm-up or the previous repetition left in the cache (one request at a time,
-    so each can hit on the one before it)."""
+def test_prefix_caching_compared_side_by_side_and_repetitions_start_cold(tmp_path: Path
+                                                                         ) -> None:
+    """--compare-prefix-caching runs a caching twin of each mode in the same alternation. The
+    twins hit only within a repetition, not on what the warm-up or the previous repetition left
+    in the cache (one request at a time, so each can hit on the one before it)."""
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--kv-mode", "both", "--workload", "shared-prefix",
                  "--prefix-len", "48", "--num-prompts", "3", "--input-len", "4:8",
                  "--output-len", "2:3", "--seed", "1", *ENGINE, "--max-num-seqs", "1",
-                 "--enable-prefix-caching",
-                 "--repeats", "2", "--warmup-prompts", "3", "--no-progress",
-                 "--json", str(out)]) == 0
-    runs = json.loads(out.read_text())["runs"]
-    for mode in ("virtual", "paged"):
-        hits = [r["cached_prompt_tokens"] for r in runs if r["mode"] == mode]
-        assert len(hits) == 2 and hits[0] == hits[1] > 0, (mode, hits)
-        # the first request of a repetition finds nothing: at most the other two hit
-        assert hits[0] <= 2 * 48, (mode, hits)
+                 "--compare-prefix-caching", "--repeats", "2", "--warmup-prompts", "3",
+                 "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    hits: dict[str, list[int]] = {}
+    for run in result["runs"]:
+        hits.setdefault(run["mode"], []).append(run["cached_prompt_tokens"])
+    assert hits["virtual"] == hits["paged"] == [0, 0]
+    for mode in ("virtual+prefix", "paged+prefix"):
+        assert hits[mode][0] == hits[mode][1] > 0, (mode, hits)
+        assert hits[mode][0] <= 2 * 48, (mode, hits)  # the first request finds nothing
+    assert set(result["prefix_ratios"]) == {"virtual", "paged"}
+    assert all(len(r) == 2 and min(r) > 0 for r in result["prefix_ratios"].values())
+    assert len(result["ratios"]) == 2  # virtual/paged, caching off
 
 
 def test_ratios_are_per_repetition() -> None:

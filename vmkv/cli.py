@@ -76,8 +76,11 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     requests, workload = common.workload_for_model(spec_from_args(args), args.model)
     modes = ["virtual", "paged"] if args.kv_mode == "both" else [args.kv_mode]
-    configs = {m: engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m}))
-               for m in modes}
+    caching = [False, True] if args.compare_prefix_caching else [args.enable_prefix_caching]
+    configs = {m + (throughput.PREFIX_SUFFIX if on and args.compare_prefix_caching else ""):
+               engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m,
+                                                    "enable_prefix_caching": on}))
+               for m in modes for on in caching}
     result = throughput.run(configs, requests, repeats=args.repeats,
                             warmup_prompts=args.warmup_prompts, progress=not args.no_progress)
     if args.baseline == "hf":
@@ -198,6 +201,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-mode", choices=["virtual", "paged", "both"], default="virtual",
                    help="both: build both engines, run them alternately, print virtual/paged")
     add_workload_args(p, default="random", num_prompts=64)
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run every mode with prefix caching off and on, alternated; print on/off")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode")
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="requests of the workload run once per engine before measuring")

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange"}
+MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange", "virtual+prefix": "tab:green",
+               "paged+prefix": "tab:red"}
 
 
 def _pyplot() -> Any:

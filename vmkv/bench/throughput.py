@@ -18,6 +18,9 @@ order flipped every repetition (V P, P V, V P...) so slow drift of a shared mach
 both; each engine runs a warm-up (the first ``warmup_prompts`` requests) before the first
 repetition. With prefix caching on, the cache is reset before every repetition, so hits come only
 from sharing within the repetition (not from the warm-up or an earlier repetition).
+``--compare-prefix-caching`` adds a caching-on twin of every engine (``virtual+prefix``...), run
+in the same alternation, and reports on/off per mode and repetition: the overhead of caching at
+a 0 % hit rate, or its gain on shared prefixes, measured side by side.
 """
 
 from __future__ import annotations
@@ -218,19 +221,28 @@ SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_kv_bytes_in_use", "kv_useful_fraction", "preemptions", "map_stall_s")
 
 
+PREFIX_SUFFIX = "+prefix"  # engine name suffix of the prefix-caching twin (--compare-prefix-caching)
+
+
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-mode medians and, with both modes, the virtual/paged ratio per repetition."""
+    """Per-mode medians; with both modes, the virtual/paged ratio per repetition; with prefix
+    caching twins (``<mode>+prefix``), the caching on/off ratio per mode and repetition."""
     summary: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         mine = [r for r in runs if r["mode"] == mode]
         summary[mode] = {k: statistics.median(r[k] for r in mine) for k in SUMMARY_KEYS
                          if all(r.get(k) is not None for r in mine)}
     out: dict[str, Any] = {"summary": summary}
+    by = {(r["mode"], r["repeat"]): r["output_tokens_per_s"] for r in runs}
+    reps = sorted({r["repeat"] for r in runs})
     if {"virtual", "paged"} <= summary.keys():
-        by = {(r["mode"], r["repeat"]): r["output_tokens_per_s"] for r in runs}
-        reps = sorted({r["repeat"] for r in runs})
         out["ratios"] = [by["virtual", i] / by["paged", i] for i in reps]
         out["ratio_median"] = statistics.median(out["ratios"])
+    prefix = {m: [by[m + PREFIX_SUFFIX, i] / by[m, i] for i in reps]
+              for m in summary if m + PREFIX_SUFFIX in summary}
+    if prefix:  # --compare-prefix-caching: caching on / off, per mode and repetition
+        out["prefix_ratios"] = prefix
+        out["prefix_ratio_median"] = {m: statistics.median(v) for m, v in prefix.items()}
     return out
 
 
@@ -247,6 +259,11 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"mode": "virtual/paged", "rep": i, "out tok/s": ratio})
     if "ratio_median" in result:
         rows.append({"mode": "virtual/paged", "rep": "median", "out tok/s": result["ratio_median"]})
+    for mode, ratios in result.get("prefix_ratios", {}).items():
+        name = f"{mode}{PREFIX_SUFFIX}/{mode}"
+        rows += [{"mode": name, "rep": i, "out tok/s": ratio} for i, ratio in enumerate(ratios)]
+        rows.append({"mode": name, "rep": "median",
+                     "out tok/s": result["prefix_ratio_median"][mode]})
     hf = result.get("hf")
     if hf:
         rows.append({"mode": f"hf (batch {hf['batch_size']})", "rep": 0,
