@@ -221,7 +221,7 @@ SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_kv_bytes_in_use", "kv_useful_fraction", "preemptions", "map_stall_s")
 
 
-PREFIX_SUFFIX = "+prefix"  # engine name suffix of the prefix-caching twin (--compare-prefix-caching)
+PREFIX_SUFFIX = "+prefix"  # name suffix of the prefix-caching twin (--compare-prefix-caching)
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
