@@ -102,7 +102,8 @@ def test_preemption_under_tight_memory_keeps_tokens(kv_mode: str, preemption: st
 
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
 def test_n_samples_share_the_prompt_kv(kv_mode: str) -> None:
-    llm = make_llm(kv_mode)
+    # caching off: the separate requests must not share the prompt through the prefix cache
+    llm = make_llm(kv_mode, enable_prefix_caching=False)
     engine = llm.engine
     prompt = " ".join(PROMPTS)  # ~70 tokens
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)

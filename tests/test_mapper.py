@@ -265,6 +265,36 @@ def test_kv_calls_wait_for_running_units() -> None:
     mapper.close()
 
 
+def test_prefix_cache_calls_wait_for_running_units() -> None:
+    """match_prefix maps cached pages into a slot and cache_computed takes page references:
+    neither may run beside the mapper thread."""
+    backend = HostMemoryBackend(PAGE, 96)
+    kv = VirtualKVCache(SPEC, pool=PagePool(backend, 96), num_slots=8, max_model_len=1024,
+                        enable_prefix_caching=True)
+    mapper = BackgroundMapper(backend)
+    kv.attach_mapper(mapper)
+    started = threading.Event()
+
+    def slow_unit() -> None:
+        started.set()
+        time.sleep(0.1)
+
+    tokens = list(range(100))
+    for call in (lambda: kv.match_prefix("a", tokens),
+                 lambda: kv.cache_computed("a", tokens, 60)):
+        started.clear()
+        mapper.submit([slow_unit])
+        started.wait()
+        waited = mapper.stats.stalled_waits
+        call()
+        assert mapper.stats.stalled_waits == waited + 1
+        if not kv.has_request("a"):
+            assert kv.allocate("a", 100)
+    kv.check()
+    kv.close()
+    mapper.close()
+
+
 # -- the CUDA backend wraps reserved VA before anything is mapped (fake driver: no GPU here) -----
 def test_cuda_as_tensor_anchors_an_unmapped_base_for_the_wrap() -> None:
     """torch asks the driver which device owns a pointer; unmapped VA belongs to none. The

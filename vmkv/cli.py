@@ -287,7 +287,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV memory kept for reuse when idle; beyond it, memory is returned")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=False, help="share the KV of common prefixes across requests")
+                   default=True, help="share the KV of common prefixes across requests "
+                   "(on by default, as in vLLM; --no-enable-prefix-caching turns it off)")
     p.add_argument("--prefix-cache-hash", choices=["sha256", "builtin"], default="sha256")
     p.add_argument("--linear-backend", choices=["auto", "torch", "onednn"], default="auto",
                    help="CPU float32 linears: oneDNN with packed weights (auto) or F.linear")

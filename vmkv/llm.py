@@ -31,7 +31,7 @@ class LLM:
         kv_layout: "all-layers" or "per-layer" (virtual mode); None: per-layer on CPU,
             all-layers on CUDA.
         block_size: tokens per block (paged mode).
-        enable_prefix_caching: share the KV of common prompt prefixes across requests.
+        enable_prefix_caching: share the KV of common prompt prefixes across requests (default on).
         linear_backend: "auto" (oneDNN-packed linears for float32 on CPU), "onednn", "torch".
         max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, seed:
             as in :class:`~vmkv.engine.config.EngineConfig`.
@@ -55,7 +55,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         preemption_mode: str = "recompute",
         seed: int = 0,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = True,
         linear_backend: str = "auto",
     ) -> None:
         cache = CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_cache_memory,

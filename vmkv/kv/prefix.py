@@ -154,6 +154,7 @@ class PrefixCachingMixin:
         taken from the cache: its logits must be computed."""
         if self.prefix is None:
             return 0
+        self._quiesce()  # _adopt maps and unmaps: never beside the background mapper
         extra = (cache_salt or "").encode()
         hashes = unit_hashes(self.prefix.hash, token_ids[: len(token_ids) - 1], self._spans(),
                              extra, [])
@@ -170,6 +171,7 @@ class PrefixCachingMixin:
         """Publish the request's units that ``num_computed`` tokens now fill completely."""
         if self.prefix is None:
             return
+        self._quiesce()
         done = complete = self._registered.get(request_id, 0)
         while self._unit_span(complete)[1] <= num_computed:
             complete += 1
