@@ -5,7 +5,9 @@ Usage (inside the vLLM venv): python vllm_offline.py MODEL_DIR WORKLOAD.jsonl [-
 The workload is ``{"prompt": [token ids], "output_len": n}`` per line (``vmkv.bench.workloads``
 writes it); every request is greedy with ``ignore_eos=True`` and ``max_tokens=output_len``, the
 same work ``vmkv bench throughput --workload jsonl`` does. The first ``--warmup`` requests run
-once before the timed ``generate`` of all of them (vLLM's ``bench throughput`` shape).
+once before the timed ``generate`` of all of them (vLLM's ``bench throughput`` shape); the prefix
+cache (on by default in both engines) is reset after the warm-up, as vmkv's bench does before
+every repetition, so neither engine hits on the warm-up's prompts.
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ def main() -> None:
               for r in rows]
     if args.warmup:
         llm.generate(prompts[: args.warmup], params[: args.warmup], use_tqdm=False)
+    # prefix caching is on in both engines; start cold (the warm-up ran the first prompts)
+    cache_reset = bool(llm.reset_prefix_cache())
     start = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.monotonic() - start
+    cached = sum(o.num_cached_tokens or 0 for o in outs)
     prompt_tokens = sum(len(r["prompt"]) for r in rows)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print("VLLM_RESULT " + json.dumps({
         "engine_init_s": init_s,
+        "prefix_cache_reset": cache_reset,
+        "cached_prompt_tokens": cached,
         "elapsed_s": elapsed,
         "num_requests": len(rows),
         "prompt_tokens": prompt_tokens,
