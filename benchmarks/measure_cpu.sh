@@ -42,12 +42,14 @@ want vllm-workload-per-layer && $VMKV bench throughput --kv-mode both --workload
     --plot $I/bench-throughput-vllm-workload-per-layer.png
 
 # --- "Final measurements": the CPU defaults (virtual per-layer, 16 KiB pages) ------------------
+# (the first two ran before prefix caching became the default, hence --no-enable-prefix-caching)
 want final-long-context && $VMKV bench throughput --kv-mode both --workload long-context \
     --num-prompts 8 --output-len 128:256 --seed 0 --repeats 2 --warmup-prompts 2 \
-    --json $R/bench-throughput-long-context-final.json \
+    --no-enable-prefix-caching --json $R/bench-throughput-long-context-final.json \
     --plot $I/bench-throughput-long-context-final.png
 want final-sharegpt && $VMKV bench throughput --kv-mode both --workload sharegpt-like \
-    --num-prompts 32 --seed 0 --repeats 2 --json $R/bench-throughput-sharegpt-final.json
+    --num-prompts 32 --seed 0 --repeats 2 --no-enable-prefix-caching \
+    --json $R/bench-throughput-sharegpt-final.json
 # prefix caching off and on, side by side: 32 requests sharing a 384-token prefix, then a
 # workload with no sharing at all (the overhead at a 0 % hit rate)
 want final-prefix && $VMKV bench throughput --kv-mode both --compare-prefix-caching \
