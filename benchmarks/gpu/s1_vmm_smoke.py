@@ -2,7 +2,8 @@
 
 reserve 64 GiB -> create + map 2 pages -> wrap as a torch tensor -> torch writes -> read back
 through cupy (a second path: the context-mismatch check) -> cupy writes, torch reads -> map a
-third page under the already-wrapped tensor -> unmap after synchronize, release, free.
+third page under the already-wrapped tensor -> map it again at a fourth VA (sharing) -> unmap
+after synchronize, release, free.
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def main(res: Result) -> None:
     third.fill_(1.5)
     res.check("a page mapped after wrapping is usable through the old tensor",
               float(third.sum()) == 1.5 * third.numel())
+    # prefix caching / fork: one physical page mapped at a second VA (cuMemMap of one handle
+    # twice); writes through either address are seen through the other
+    region.map_shared(3, [int(region.page_at[2])])
+    alias = region.as_bytes()[3 * ps : 4 * ps].view(torch.float32)
+    torch.cuda.synchronize()
+    seen = float(alias.sum()) == 1.5 * alias.numel()
+    alias.fill_(4.0)
+    res.check("one page at two VAs: each address sees the other's writes",
+              seen and float(third.sum()) == 4.0 * third.numel())
     backend.synchronize()
-    region.unmap(0, 3)
+    region.unmap(0, 4)
     res.check("unmap after synchronize", region.num_mapped == 0)
     region.close()
     pool.release_all_idle()

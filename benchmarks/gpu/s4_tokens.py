@@ -122,7 +122,20 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
     wired = attach_cuda_features(engine)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    info = {"wiring": wired}
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    # prefix caching is on by default: the same prompts again hit the cached pages/blocks
+    # (virtual: the cached physical pages mapped at a second slot's VA) and give the same tokens
+    # (a unit must lie wholly inside a prompt: a 2 MiB page holds 2,048 tokens of this tiny
+    # model in the all-layers layout, so virtual mode can only show no hit and equal tokens)
+    unit_tokens = engine.kv._unit_span(0)[1]
+    expect_hits = max(len(p) for p in prompts) - 1 >= unit_tokens
+    again = llm.generate(prompts, params, use_tqdm=False)
+    hits = sum(o.num_cached_tokens for o in again)
+    res.check(f"engine/{mode}: the same prompts again, prefix caching on: "
+              + ("cache hits, same tokens" if expect_hits else "no whole unit, same tokens"),
+              (hits > 0) == expect_hits and [list(o.outputs[0].token_ids) for o in again] == toks,
+              cached_tokens=hits, unit_tokens=unit_tokens)
+    info: dict[str, object] = {"wiring": wired}
     if getattr(engine, "mapper", None) is not None:
         info["mapper"] = engine.mapper.stats.as_dict()
     graphs = getattr(engine, "graphs", None) or getattr(engine.runner, "graphs", None)
@@ -131,7 +144,7 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
     res.record(f"engine_{mode}", info)
     engine.kv.check()
     llm.engine.close()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return toks
 
 
 def attach_cuda_features(engine) -> str:  # type: ignore[no-untyped-def]
