@@ -188,3 +188,12 @@ def test_stop_strings_and_stop_tokens() -> None:
                          SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]),
                          use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == base.token_ids[: i + 1] and by_id.stop_reason == token
+
+
+def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
+    on = make_llm("virtual", max_model_len=2048).engine.startup_report()
+    assert "maximum concurrency for 2,048 tokens per request" in on[1]
+    assert on[1].endswith("prefix caching on")  # the default, as in vLLM
+    assert "layout per-layer, page 16 KiB = 21.33 tokens" in on[2]
+    off = make_llm("paged", enable_prefix_caching=False).engine.startup_report()
+    assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]

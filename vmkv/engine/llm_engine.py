@@ -107,7 +107,8 @@ class LLMEngine:
             f"on {self.config.device}, loaded in {self.startup_seconds:.1f} s",
             f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
-            f"request: {cap / self.max_model_len:.2f}x",
+            f"request: {cap / self.max_model_len:.2f}x; prefix caching "
+            f"{'on' if self.kv.prefix is not None else 'off'}",
         ]
         if isinstance(kv, VirtualKVCache):
             lay = kv.layout
