@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
+from vmkv.malloc_tuning import tune_malloc  # noqa: E402 - after the OpenMP settings
+
+tune_malloc()  # activations from the heap, not fresh mmaps (VMKV_MALLOC_TUNING=0: off)
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
