@@ -209,7 +209,7 @@ def test_engine_prefills_only_the_suffix_and_matches_a_cold_run(kv_mode: str) ->
     system = ("You are a helpful assistant. Answer briefly and precisely. " * 6).strip()
     prompts = [f"{system}\nQ: What is {a} plus {b}?\nA:" for a, b in ((2, 3), (10, 7))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    cold = LLM(kv_mode=kv_mode, max_model_len=512)
+    cold = LLM(kv_mode=kv_mode, max_model_len=512, enable_prefix_caching=False)
     want = [cold.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     cold.engine.close()
     llm = LLM(kv_mode=kv_mode, max_model_len=512, enable_prefix_caching=True)
