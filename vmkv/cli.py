@@ -11,8 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see vmkv/__init__)
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+from vmkv.config import KV_MODES, LAYOUTS, LINEAR_BACKENDS
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -268,7 +267,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 # -- engine options shared by serve / generate / bench ---------------------------------------------
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-mode", choices=["virtual", "paged"], default="virtual")
+    p.add_argument("--kv-mode", choices=KV_MODES, default="virtual")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -279,7 +278,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_size, default=None,
                    help="virtual page size (default: 16K per-layer / 64K all-layers on CPU, "
                         "the driver granularity on CUDA)")
-    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default=None,
+    p.add_argument("--kv-layout", choices=LAYOUTS, default=None,
                    help="virtual layout (default: per-layer on CPU, all-layers on CUDA)")
     p.add_argument("--block-size", type=int, default=16, help="paged mode tokens per block")
     p.add_argument("--premap-pages", type=int, default=0)
@@ -290,7 +289,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="share the KV of common prefixes across requests "
                    "(on by default, as in vLLM; --no-enable-prefix-caching turns it off)")
     p.add_argument("--prefix-cache-hash", choices=["sha256", "builtin"], default="sha256")
-    p.add_argument("--linear-backend", choices=["auto", "torch", "onednn"], default="auto",
+    p.add_argument("--linear-backend", choices=LINEAR_BACKENDS, default="auto",
                    help="CPU float32 linears: oneDNN with packed weights (auto) or F.linear")
     p.add_argument("--seed", type=int, default=0)
 

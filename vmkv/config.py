@@ -7,6 +7,7 @@ from dataclasses import dataclass
 LAYOUTS = ("all-layers", "per-layer")
 
 KV_MODES = ("virtual", "paged")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 

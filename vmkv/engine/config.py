@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vmkv.config import CacheConfig
+from vmkv.config import LINEAR_BACKENDS, CacheConfig
 from vmkv.engine.scheduler import PREEMPTION_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,8 +54,8 @@ class EngineConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be 'auto', 'torch' or 'onednn', "
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, "
                              f"got {self.linear_backend!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "

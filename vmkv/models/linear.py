@@ -14,9 +14,9 @@ import logging
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from vmkv.config import LINEAR_BACKENDS
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+logger = logging.getLogger(__name__)
 
 
 def onednn_available() -> bool:
