@@ -34,8 +34,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when Triton kernels are decorated (import)
 
+import triton_required  # noqa: E402
+from triton_required import needs_triton  # noqa: E402
+
 from vmkv.attention import create_attention_backend  # noqa: E402
-from vmkv.attention.cuda_common import aten_flash_kwargs, has_triton, requested_kernel  # noqa: E402
+from vmkv.attention.cuda_common import aten_flash_kwargs, requested_kernel  # noqa: E402
 from vmkv.attention.kv_store import store_index_copy  # noqa: E402
 from vmkv.attention.paged_cuda import PagedCudaBackend, resolve_paged_kernel  # noqa: E402
 from vmkv.attention.staging import StagingBuffer, layout  # noqa: E402
@@ -48,7 +51,6 @@ TESTS = str(Path(__file__).resolve().parent)
 CUDA = torch.cuda.is_available()
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 64, 2
 SCALE = HEAD_DIM**-0.5
-needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
 
 
 # -- reference attention ------------------------------------------------------------------------
@@ -295,8 +297,8 @@ def _over_read_scenario() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
         dtype: torch.dtype) -> None:
-    if not has_triton() and dtype == torch.float16:
-        pytest.skip("triton is not installed")
+    if dtype == torch.float16 and not triton_required.USE:
+        pytest.skip("triton is not installed (not a dependency here)")
     device = "cuda" if CUDA else "cpu"
     kv = paged_cache(dtype, device)
     backend = PagedCudaBackend(kv, "triton" if dtype == torch.float16 else "sdpa")
@@ -363,7 +365,7 @@ def test_graph_padding_writes_nothing_and_reads_nothing() -> None:
         backend.build_step(["x", "y"], [2, 0], [1, 1], pad_to=1)
 
     pkv = paged_cache(torch.float16)
-    pb = PagedCudaBackend(pkv, "triton" if has_triton() else "sdpa")
+    pb = PagedCudaBackend(pkv, "triton" if triton_required.USE else "sdpa")
     assert pkv.allocate("x", 40) and pkv.allocate("y", 1)
     step = pb.build_step(["x", "y"], [39, 0], [1, 1], pad_to=3)
     bt = step.arrays["block_table"]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from triton_required import needs_triton
 
 from vmkv.bench import kernels
 from vmkv.cli import main
@@ -59,9 +60,9 @@ def test_both_backends_compute_the_same_attention(query: int, kernel: bool) -> N
             kv.close()
 
 
+@needs_triton
 def test_triton_twins_bench_under_the_interpreter() -> None:
     """The CUDA half, run on CPU tensors under TRITON_INTERPRET (tiny shapes)."""
-    pytest.importorskip("triton")
     code = ("import json, torch; from vmkv.bench import kernels_cuda as kc; "
             "print(json.dumps(kc.run([2], [48], device='cpu', dtype=torch.float32, repeats=1, "
             "warmup=0, inner=1, prefill_len=16, shape=(2, 3, 64))))")

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 from test_attention_cuda import ReferenceVarlen, run_child  # sets TRITON_INTERPRET
+from triton_required import needs_triton
 
-from vmkv.attention.cuda_common import has_triton
 from vmkv.attention.kv_store import store_index_copy, store_triton
 from vmkv.attention.paged_cuda import PagedCudaBackend
 from vmkv.attention.virtual_cuda import VirtualCudaBackend
@@ -148,8 +148,8 @@ def _virtual_setup(kernel: str, cfg: ModelConfig, dtype: torch.dtype = torch.flo
 @pytest.mark.skipif(CUDA, reason="CPU double of the graph (GPU: test_gpu_graphs_*)")
 @pytest.mark.parametrize("case", [
     "virtual-aten-flash",
-    pytest.param("virtual-triton", marks=pytest.mark.skipif(not has_triton(), reason="triton")),
-    pytest.param("paged-triton", marks=pytest.mark.skipif(not has_triton(), reason="triton")),
+    pytest.param("virtual-triton", marks=needs_triton),
+    pytest.param("paged-triton", marks=needs_triton),
 ])
 def test_replay_through_static_buffers_equals_eager(case: str) -> None:
     proc = run_child("_replay_scenario", case, module="test_cuda_graphs")
