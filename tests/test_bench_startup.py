@@ -26,10 +26,10 @@ def test_engine_argv_reproduces_non_default_engine_options() -> None:
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    argv = ["--kv-mode", "paged", "--kv-cache-memory", "64M", "--block-size", "32"]
-    if any("--enable-prefix-caching" in a.option_strings for a in p._actions):
-        argv.append("--enable-prefix-caching")
+    argv = ["--kv-mode", "paged", "--kv-cache-memory", "64M", "--block-size", "32",
+            "--no-enable-prefix-caching"]  # a --x / --no-x option away from its default
     args = p.parse_args(argv)
     out = engine_argv(args)
+    assert "--no-enable-prefix-caching" in out
     assert p.parse_args(out) == args
     assert engine_argv(p.parse_args([])) == []

@@ -109,8 +109,8 @@ def graph_greedy(model, kv, prompts) -> list[list[int]]:  # type: ignore[no-unty
 
 
 def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """The whole engine on CUDA; mapper and graphs attached here if the integration diffs are
-    not applied yet (same wiring as the diffs)."""
+    """The whole engine on CUDA: scheduler, VMM pages, background mapper and decode graphs (the
+    engine builds the last two itself on CUDA; on a CPU dry run it has neither)."""
     os.environ.pop("VMKV_ATTENTION_BACKEND", None)
     from vmkv.llm import LLM
     from vmkv.sampling_params import SamplingParams
@@ -119,7 +119,6 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
               kv_cache_memory=256 << 20, max_model_len=512, max_num_seqs=8,
               max_num_batched_tokens=512)  # prefill all at once
     engine = llm.engine
-    wired = attach_cuda_features(engine)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     toks = [list(o.outputs[0].token_ids) for o in outs]
@@ -135,66 +134,15 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
               + ("cache hits, same tokens" if expect_hits else "no whole unit, same tokens"),
               (hits > 0) == expect_hits and [list(o.outputs[0].token_ids) for o in again] == toks,
               cached_tokens=hits, unit_tokens=unit_tokens)
-    info: dict[str, object] = {"wiring": wired}
-    if getattr(engine, "mapper", None) is not None:
+    info: dict[str, object] = {}
+    if engine.mapper is not None:
         info["mapper"] = engine.mapper.stats.as_dict()
-    graphs = getattr(engine, "graphs", None) or getattr(engine.runner, "graphs", None)
-    if graphs is not None:
-        info["graph_replays"] = graphs.num_replays
+    if engine.graphs is not None:
+        info["graph_replays"] = engine.graphs.num_replays
     res.record(f"engine_{mode}", info)
     engine.kv.check()
     llm.engine.close()
     return toks
-
-
-def attach_cuda_features(engine) -> str:  # type: ignore[no-untyped-def]
-    if getattr(engine, "graphs", None) is not None or getattr(engine, "mapper", None):
-        return "integrated (diffs applied)"
-    import torch
-
-    from vmkv.engine.cuda_graphs import maybe_create_graph_runner
-    from vmkv.engine.model_runner import ModelRunner
-    from vmkv.kv.virtual import VirtualKVCache
-    from vmkv.memory.mapper import BackgroundMapper
-
-    mapper = None
-    kv = engine.kv
-    if isinstance(kv, VirtualKVCache):
-        import test_mapper
-
-        if not hasattr(kv, "attach_mapper"):
-            kv.__class__ = test_mapper.HookedKV  # the kv/virtual.py diff's hook
-        mapper = BackgroundMapper(kv.backend)
-        kv.attach_mapper(mapper)
-        engine.mapper = mapper
-    graphs = maybe_create_graph_runner(engine.model, engine.attn,
-                                       max_batch_size=engine.config.max_num_seqs, mapper=mapper)
-
-    class Runner(ModelRunner):  # the model_runner.py diff's execute
-        @torch.inference_mode()
-        def execute(self, out):  # type: ignore[no-untyped-def]
-            qlens = [out.num_scheduled_tokens[s.seq_id] for s in out.scheduled]
-            if graphs is None or not graphs.can_run(qlens):
-                result = super().execute(out)
-            else:
-                seqs = out.scheduled
-                ctx = [s.num_computed_tokens for s in seqs]
-                ids = [s.token_ids[c] for s, c in zip(seqs, ctx, strict=True)]
-                hidden = graphs.run([s.seq_id for s in seqs], ctx, ids, ctx)
-                rows = [i for i, (s, c) in enumerate(zip(seqs, ctx, strict=True))
-                        if c + 1 == s.num_tokens]  # a 1-token prefill chunk samples nothing
-                if rows:
-                    picked = hidden[torch.tensor(rows, device=hidden.device)]
-                    result = self.model.compute_logits(picked), [seqs[i] for i in rows]
-                else:
-                    result = None, []
-            if mapper is not None:
-                mapper.submit(kv.premap_ahead(16))
-            return result
-
-    engine.runner = Runner(engine.model, engine.attn)
-    engine.graphs = graphs
-    return "attached by the check (the engine made no mapper or graphs itself)"
 
 
 def run_dtype(res: Result, path, dtype_name: str, dtype, prompts, runs: dict) -> None:  # type: ignore[no-untyped-def]
