@@ -36,12 +36,9 @@ def _size(text: str) -> int:
 
 
 def _emit(result: dict, columns: Sequence[str], json_path: str | None) -> None:
-    from vmkv.bench.report import format_table, write_json
+    from vmkv.bench.common import finish
 
-    print(format_table(result["rows"], columns))
-    write_json(json_path, result)
-    if json_path:
-        print(f"\nwrote {json_path}")
+    finish(result, result["rows"], columns, json_path)
 
 
 # -- bench memory / vmm -------------------------------------------------------------------------

@@ -71,3 +71,12 @@ def finish(result: dict[str, Any], rows: Sequence[dict[str, Any]], columns: Sequ
     if plot is not None and plot_path:
         plot(result, plot_path)
         print(f"wrote {Path(plot_path)}")
+
+
+def progress_bar(enabled: bool, desc: str, *, total: int | None = None,
+                 iterable: Any = None, unit: str = "req") -> Any:
+    """A tqdm bar that draws only when ``enabled`` (a disabled one still iterates and counts)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False,
+                disable=not enabled)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vmkv.bench.common import progress_bar
 from vmkv.bench.workloads import BenchRequest
 
 
@@ -68,20 +69,14 @@ def run(model_path: str | Path, requests: Sequence[BenchRequest], *, batch_size:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     _generate(model, requests[:2], 4, pad_id)  # warm-up
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(requests), desc="hf", unit="req", dynamic_ncols=True, leave=False)
+    bar = progress_bar(progress, "hf", total=len(requests))
     generated = 0
     start = time.monotonic()
     for batch in batches:
         generated += _generate(model, batch, max(r.output_len for r in batch), pad_id)
-        if bar is not None:
-            bar.update(len(batch))
+        bar.update(len(batch))
     elapsed = time.monotonic() - start
-    if bar is not None:
-        bar.close()
+    bar.close()
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(r.output_len for r in requests)
     return {

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vmkv.attention import create_attention_backend
+from vmkv.bench.common import progress_bar
 from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.config import CacheConfig
 from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
@@ -136,13 +137,9 @@ def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (
               if b * c <= max_tokens]
     skipped = [f"batch {b} x context {c}" for b in batch_sizes for c in context_lens
                if b * c > max_tokens]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(points, desc="kernels", unit="point", dynamic_ncols=True, leave=False)
+    bar = progress_bar(progress, "kernels", iterable=points, unit="point")
     rows = []
-    for phase, batch, context in bar if bar is not None else points:
+    for phase, batch, context in bar:
         rows.append(measure_point(spec, batch, context, phase, prefill_len=prefill_len,
                                   layout=layout, block_size=block_size, repeats=repeats,
                                   warmup=warmup))

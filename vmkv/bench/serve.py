@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from vmkv.bench import serve_metrics
+from vmkv.bench.common import progress_bar
 from vmkv.bench.serve_metrics import RequestResult
 from vmkv.bench.workloads import BenchRequest
 
@@ -150,12 +151,7 @@ async def _run(target: ServeTarget, requests: Sequence[BenchRequest], offsets: n
 
     limit = max_concurrency or len(requests)
     semaphore = asyncio.Semaphore(limit)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(requests), desc="serve", unit="req", dynamic_ncols=True,
-                   leave=False)
+    bar = progress_bar(progress, "serve", total=len(requests))
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S), limits=limits) as client:
         start = time.perf_counter()
@@ -166,15 +162,13 @@ async def _run(target: ServeTarget, requests: Sequence[BenchRequest], offsets: n
                 await asyncio.sleep(delay)
             async with semaphore:  # sent (and timed) once a concurrency slot is free
                 result = await send_one(client, target, req, decode, count)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             return result
 
         results = await asyncio.gather(*(one(r, float(o)) for r, o in
                                          zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    bar.close()
     return list(results), duration
 
 

@@ -1,4 +1,5 @@
-"""Client-side serving metrics, defined exactly as vLLM's ``bench serve`` computes them.
+"""Client-side serving metrics, defined as vLLM's ``bench serve`` computes them (chat: the role-only
+first chunk carries no output and does not count; see serve.py).
 
 Per request (all at the client, from the moment the request is sent):
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vmkv.bench.common import progress_bar
 from vmkv.bench.workloads import BenchRequest
 from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
@@ -97,7 +98,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     before = (stats.num_preemptions, stats.num_recomputed_tokens)
     ops_before = _op_totals(engine)
     ids = [f"{tag}-{i}" for i in range(len(requests))]
-    bar = _bar(len(requests), tag, progress)
+    bar = progress_bar(progress, tag, total=len(requests))
     start = time.monotonic()
     for rid, r in zip(ids, requests, strict=True):
         engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len))
@@ -108,15 +109,13 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
         steps += 1
         t = time.monotonic()
         trace.sample(engine, t - start - overhead)
         overhead += time.monotonic() - t
     wall = time.monotonic() - start
-    if bar is not None:
-        bar.close()
+    bar.close()
     elapsed = wall - overhead
     result = _summarise(requests, [outputs[rid] for rid in ids], elapsed, start)
     result.update(_kv_numbers(trace))
@@ -171,14 +170,6 @@ def _map_numbers(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
         return {"map_stall_s": 0.0, "map_ops": {}}
     ops = {op: {k: after[op][k] - before[op][k] for k in after[op]} for op in after}
     return {"map_stall_s": sum(o["total_ns"] for o in ops.values()) / 1e9, "map_ops": ops}
-
-
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
 
 
 def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, repeats: int = 3,
