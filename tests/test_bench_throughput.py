@@ -106,3 +106,6 @@ def test_ratios_are_per_repetition() -> None:
 def test_bad_options_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "throughput", *TINY, "--repeats", "0", "--no-progress"]) == 2
     assert "repeats must be positive" in capsys.readouterr().err
+    assert main(["bench", "throughput", *TINY, "--baseline", "hf", "--dtype", "bfloat16",
+                 "--no-progress"]) == 2
+    assert "--baseline hf runs transformers in float32 on the CPU" in capsys.readouterr().err

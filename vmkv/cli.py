@@ -70,6 +70,10 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from vmkv.bench import common, hf_baseline, plots, throughput
     from vmkv.bench.workloads import spec_from_args
 
+    if args.baseline == "hf" and (args.device != "cpu" or args.dtype not in ("auto", "float32")):
+        raise ValueError("--baseline hf runs transformers in float32 on the CPU: use it with "
+                         "--device cpu and --dtype float32 (or auto) so the ratio compares "
+                         "like with like")
     requests, workload = common.workload_for_model(spec_from_args(args), args.model)
     modes = ["virtual", "paged"] if args.kv_mode == "both" else [args.kv_mode]
     caching = [False, True] if args.compare_prefix_caching else [args.enable_prefix_caching]
