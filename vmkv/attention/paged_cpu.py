@@ -11,7 +11,7 @@ import torch
 
 from vmkv.attention import cpu_decode
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
-from vmkv.attention.sdpa import attend_one
+from vmkv.attention.sdpa import attend_gathered
 from vmkv.kv.paged import PagedKVCache
 
 
@@ -67,12 +67,5 @@ class PagedGatherBackend(AttentionBackend):
         if rows.numel():
             k_all = k_flat.index_select(0, rows)  # [sum seq_len of gathered requests, H, D]
             v_all = v_flat.index_select(0, rows)
-        pos = kv_pos = 0
-        for ctx, n, seq in zip(meta.context_lens, meta.query_lens, meta.seq_rows, strict=True):
-            length = len(seq)
-            if length:
-                out[pos : pos + n] = attend_one(q[pos : pos + n], k_all[kv_pos : kv_pos + length],
-                                                v_all[kv_pos : kv_pos + length], ctx, scale)
-            pos += n
-            kv_pos += length
+            attend_gathered(out, q, k_all, v_all, meta, [len(s) for s in meta.seq_rows], scale)
         return out

@@ -38,7 +38,7 @@ from vmkv.attention.cuda_common import (
     warn_fallback,
 )
 from vmkv.attention.kv_store import StoreFn
-from vmkv.attention.sdpa import attend_one
+from vmkv.attention.sdpa import attend_gathered
 from vmkv.kv.paged import PagedKVCache
 
 FLASH_PAGED_BLOCK = 256  # FA2's paged KV needs block_size % 256 == 0
@@ -229,11 +229,6 @@ class PagedCudaBackend(CudaAttentionBackend):
         assert isinstance(rows, torch.Tensor)
         k_all, v_all = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        pos = kv_pos = 0
-        for ctx, n in zip(meta.context_lens, meta.query_lens, strict=True):
-            length = ctx + n
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_all[kv_pos : kv_pos + length],
-                                            v_all[kv_pos : kv_pos + length], ctx, scale)
-            pos += n
-            kv_pos += length
+        lengths = [c + n for c, n in zip(meta.context_lens, meta.query_lens, strict=True)]
+        attend_gathered(out, q, k_all, v_all, meta, lengths, scale)
         return out.view_as(q)

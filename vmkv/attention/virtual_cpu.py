@@ -12,7 +12,7 @@ import torch
 
 from vmkv.attention import cpu_decode
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
-from vmkv.attention.sdpa import attend_one
+from vmkv.attention.sdpa import attend_rows
 from vmkv.kv.virtual import VirtualKVCache
 
 
@@ -58,12 +58,6 @@ class VirtualSdpaBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_flat, v_flat = self._flat[layer]
         out = cpu_decode.write_and_decode(meta, q, k, v, k_flat, v_flat, scale)
-        batch = meta.extra.get("decode")
-        pos = 0
-        for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
-                                           strict=True):
-            if n > 1 or batch is None:
-                out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
-                                                v_flat[start : start + length], ctx, scale)
-            pos += n
+        attend_rows(out, q, k_flat, v_flat, meta, scale,
+                    skip_decode=meta.extra.get("decode") is not None)
         return out

@@ -47,7 +47,7 @@ from vmkv.attention.cuda_common import (
     warn_fallback,
 )
 from vmkv.attention.kv_store import StoreFn
-from vmkv.attention.sdpa import attend_one
+from vmkv.attention.sdpa import attend_rows
 from vmkv.kv.virtual import VirtualKVCache
 
 INT32_MAX = 2**31 - 1
@@ -216,12 +216,7 @@ class VirtualCudaBackend(CudaAttentionBackend):
               ) -> torch.Tensor:
         k_flat, v_flat = self._flat[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        pos = 0
-        for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
-                                           strict=True):
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
-                                            v_flat[start : start + length], ctx, scale)
-            pos += n
+        attend_rows(out, q, k_flat, v_flat, meta, scale)
         return out.view_as(q)
 
 
