@@ -78,14 +78,6 @@ def aten_flash_kwargs() -> frozenset[str]:
     return frozenset(a.name for a in schema.arguments if a.kwarg_only)
 
 
-def has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def flash_unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FlashAttention-2 cannot run this cache (None if it can).
 

@@ -51,10 +51,15 @@ def store_triton(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
 def default_store(device: torch.device) -> tuple[StoreFn, bool]:
     """(store function, whether it is graph-capturable) for ``device``: the Triton write on
     CUDA when Triton imports, else ``index_copy_`` (not capturable with padding)."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return store_index_copy, False
+    if device.type == "cuda" and has_triton():
         return store_triton, True
     return store_index_copy, False
+
+
+def has_triton() -> bool:
+    """Whether the ``triton`` package imports."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

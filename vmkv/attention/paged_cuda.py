@@ -32,12 +32,11 @@ from vmkv.attention.cuda_common import (
     cumsum0,
     flash_attn_module,
     flash_unsupported,
-    has_triton,
     requested_kernel,
     token_positions,
     warn_fallback,
 )
-from vmkv.attention.kv_store import StoreFn
+from vmkv.attention.kv_store import StoreFn, has_triton
 from vmkv.attention.sdpa import attend_gathered
 from vmkv.kv.paged import PagedKVCache
 
