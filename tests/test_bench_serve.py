@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-import uvicorn
+from test_server import start
 
-from server.app import ServerConfig, build_app
 from vmkv.bench import serve, serve_metrics
-from vmkv.bench.launch import free_port
 from vmkv.bench.serve_metrics import RequestResult
 from vmkv.bench.workloads import WorkloadSpec, for_tokenizer
 from vmkv.cli import main
@@ -29,21 +24,9 @@ from vmkv.engine.llm_engine import LLMEngine
 def server(default_model: Path) -> Iterator[tuple[str, LLMEngine]]:
     llm = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=8, cache=_small_cache()))
     engine = AsyncEngine(llm)
-    app = build_app(engine, ServerConfig(served_model_name="smol"))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield url, llm
-    srv.should_exit = True
-    thread.join(10)
+    running = start(engine)  # serves the model as "smol"
+    yield running.url, llm
+    running.stop()
     engine.shutdown()
     llm.close()
 

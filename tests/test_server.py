@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import ServerConfig, build_app
 from vmkv import LLM, SamplingParams
+from vmkv.bench.launch import free_port
 from vmkv.config import CacheConfig
 from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.config import EngineConfig
@@ -36,12 +36,6 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(engine: AsyncEngine, **config: object) -> Running:
