@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
+from vmkv.bench.kernels import NUM_HEADS
 from vmkv.bench.memory import SMOLLM2_135M
-
-NUM_HEADS = 9
 
 
 def _time_ms(fn: Callable[[], Any], device: str, inner: int) -> float:

@@ -98,7 +98,6 @@ async def send_one(client: Any, target: ServeTarget, req: BenchRequest,
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     text, chunks, usage_tokens = [], 0, None
     start = last = time.perf_counter()
-    result.start = start
     try:
         async with client.stream("POST", target.url, json=request_body(target, req, decode),
                                  headers=headers) as resp:

@@ -36,7 +36,6 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    start: float = 0.0
     tokens_from: str = ""  # "usage", "tokenizer" or "chunks"
     error: str = ""
 

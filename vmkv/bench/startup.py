@@ -40,9 +40,6 @@ t["first_token"] = time.time()
 print("VMKV_STARTUP " + json.dumps(t))
 """
 
-STAGES = ("interpreter", "imports", "engine", "first_token")
-
-
 def measure_once(engine_argv: Sequence[str], timeout: float = 600.0) -> dict[str, float]:
     """Seconds from spawn to each stage (cumulative) for one fresh process."""
     spawned = time.time()
