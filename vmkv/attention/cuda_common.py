@@ -189,11 +189,11 @@ class CudaAttentionBackend(AttentionBackend):
         """The :class:`AttentionMetadata` of ``step`` over device ``tensors`` (its fields).
 
         ``extra`` holds the device tensors by field name plus host ints ``max_query_len``,
-        ``max_seq_len``, ``is_decode`` and ``num_padded``.
+        ``max_seq_len`` and ``is_decode``.
         """
         extra: dict[str, object] = dict(tensors)
         extra.update(max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-                     is_decode=step.is_decode, num_padded=step.num_padded)
+                     is_decode=step.is_decode)
         return AttentionMetadata(step.request_ids, step.context_lens, step.query_lens,
                                  tensors["write_rows"], step.seq_rows, extra)
 

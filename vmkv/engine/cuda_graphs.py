@@ -194,8 +194,8 @@ def graphs_enabled() -> bool:
 
 
 def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
-                              max_batch_size: int, mapper: BackgroundMapper | None = None,
-                              capture: bool = True) -> DecodeGraphRunner | None:
+                              max_batch_size: int, mapper: BackgroundMapper | None = None
+                              ) -> DecodeGraphRunner | None:
     """A captured :class:`DecodeGraphRunner` for CUDA engines whose backend allows it; None on
     CPU, when ``$VMKV_CUDA_GRAPHS=0``, or when the backend cannot be captured (logged)."""
     if model.device.type != "cuda" or not graphs_enabled():
@@ -205,6 +205,5 @@ def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
                        getattr(attn, "name", attn))
         return None
     runner = DecodeGraphRunner(model, attn, max_batch_size=max_batch_size, mapper=mapper)
-    if capture:
-        runner.capture()
+    runner.capture()
     return runner
