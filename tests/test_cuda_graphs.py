@@ -12,6 +12,9 @@ capture and replay run only in the ``gpu`` tests below.
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -219,13 +222,19 @@ def test_a_step_with_a_different_layout_is_refused() -> None:
         runner.run(["a"], [2], [1], [2])
 
 
-def test_backends_that_cannot_be_captured_are_refused() -> None:
+def test_backends_that_cannot_be_captured_are_refused(caplog: pytest.LogCaptureFixture) -> None:
     model, cfg = tiny_model(torch.float32, "cpu")
     kv, attn = _virtual_setup("sdpa", cfg, torch.float32)
     assert not attn.supports_cuda_graphs
     with pytest.raises(ValueError, match="cannot be captured"):
         DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=ReplayByRerun)
     assert maybe_create_graph_runner(model, attn, max_batch_size=2) is None  # CPU model
+    # a CUDA model with this backend: refused with a warning, before anything is captured
+    # (a stand-in for the model: only its device is read on this path; no GPU here)
+    cuda_model = SimpleNamespace(device=torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="vmkv"):
+        assert maybe_create_graph_runner(cuda_model, attn, max_batch_size=2) is None
+    assert "cannot be captured" in caplog.text
 
 
 # -- GPU: real CUDA graphs ----------------------------------------------------------------------
