@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vmkv.kernels.launch import launch
+
 
 @triton.jit
 def _store_kv_kernel(K, V, KCache, VCache, Rows,
@@ -40,7 +42,8 @@ def store_kv(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
     num_tokens, heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    launch(
+        _store_kv_kernel, (num_tokens,),
         k, v, k_flat, v_flat, rows,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),

@@ -122,9 +122,10 @@ class VirtualCudaBackend(CudaAttentionBackend):
         self.kernel = resolve_virtual_kernel(
             requested_kernel(kernel), spec.dtype, spec.head_dim, flash_attn=self._fa is not None,
             aten=aten, triton=has_triton(),
-            rows_fit_int32=kv.num_slots * self.slot_tokens <= INT32_MAX)
+            rows_fit_int32=(kv.num_slots + 1) * self.slot_tokens <= INT32_MAX)
         self.name = f"virtual-{self.kernel}"
-        # [num_slots, slot_tokens, Hkv, D] strided views and their [rows, Hkv, D] flattening
+        # [num_slots + 1, slot_tokens, Hkv, D] strided views (slot 0: the anchor slot, always
+        # mapped, so every base pointer is) and their [rows, Hkv, D] flattening
         self._views = [kv.layer_kv(i) for i in range(spec.num_layers)]
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in self._views]
 
@@ -144,7 +145,7 @@ class VirtualCudaBackend(CudaAttentionBackend):
         _, pos = token_positions(ctx, qlens)
         write = np.repeat(starts, qlens) + pos  # [T] flat rows of the new tokens
         seq_rows = [(int(s), int(n)) for s, n in zip(starts, seq, strict=True)]
-        if pad:  # padding entries: slot 0, length 0 (nothing read), row -1 (nothing written)
+        if pad:  # padding: the anchor slot 0, length 0 (nothing read), row -1 (nothing written)
             zeros = np.zeros(pad, dtype=np.int64)
             slots, starts, seq = (np.concatenate([a, zeros]) for a in (slots, starts, seq))
             qlens = np.concatenate([qlens, np.ones(pad, dtype=np.int64)])

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vmkv.kernels.launch import launch
+
 __all__ = ["decode_contiguous", "decode_paged", "prefill_contiguous", "prefill_paged"]
 
 LOG2E = 1.4426950408889634
@@ -291,7 +293,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(batch, kv_heads, splits)](
+    launch(
+        _decode_kernel, (batch, kv_heads, splits),
         q, k, v, out, index, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -302,7 +305,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
+        launch(
+            _merge_splits_kernel, (batch, num_heads),
             out, part_out, part_lse, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
@@ -359,7 +363,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     out = torch.empty_like(q)  # [num_tokens, Hq, D]
-    _prefill_kernel[(batch, max(1, math.ceil(max_query_len / block_q)), k.shape[2])](
+    grid = (batch, max(1, math.ceil(max_query_len / block_q)), k.shape[2])
+    launch(
+        _prefill_kernel, grid,
         q, k, v, out, index, seq_lens, cu_seqlens_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -1,7 +1,13 @@
 """Virtual mode (vAttention): one contiguous virtual slot per request, pages mapped as it grows.
 
     region (one per layout tensor), slot s = pages [s*slot_pages, (s+1)*slot_pages):
-    | mapped: pages_for(len) | mapped surplus (deferred / pre-mapped) | PROT_NONE ... slot end |
+    | slot 0: anchor | slot 1 | slot 2 | ... | slot num_slots |
+    slot s >= 1:  | mapped: pages_for(len) | mapped surplus (deferred / pre-mapped) | PROT_NONE |
+
+Slot 0 is the *anchor slot*: never given to a request, its first ``pages_for(1)`` pages are
+mapped to the backend's anchor page for the cache's lifetime. Every layer's K/V view starts
+there, so no tensor handed to a kernel ever has an unmapped base address (Triton refuses such a
+launch), whichever requests run; padding entries of a CUDA graph's batch point at it too.
 
 Invariants:
   * a slot's mapped pages are always a prefix ``[0, mapped[s])`` of the slot, identical in
@@ -36,6 +42,9 @@ from vmkv.memory.region import UNMAPPED, VirtualRegion
 
 if TYPE_CHECKING:
     from vmkv.memory.mapper import BackgroundMapper
+
+#: the slot that anchors every region's base address (never handed to a request)
+ANCHOR_SLOT = 0
 
 
 class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
@@ -83,7 +92,8 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         self.premap_pages = premap_pages
         self.max_idle_pages = max_idle_pages
         slot_bytes = self.layout.slot_bytes
-        if slot_bytes * num_slots >= 1 << 46:
+        va_slots = num_slots + 1  # request slots 1..num_slots after the anchor slot
+        if slot_bytes * va_slots >= 1 << 46:
             raise ValueError(
                 f"{num_slots} slots of {slot_bytes} B exceed the 64 TiB of virtual address "
                 "space vmkv allows itself; lower max_num_seqs or max_model_len")
@@ -91,15 +101,16 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         # region's pages physically adjacent (long runs, few VMAs)
         per_region = pool.partitions == self.layout.num_regions
         self.regions = [
-            VirtualRegion(pool, num_slots * slot_bytes, name=f"kv-region-{i}",
-                          partition=i if per_region else 0)
+            VirtualRegion(pool, va_slots * slot_bytes, name=f"kv-region-{i}",
+                          partition=i if per_region else 0,
+                          anchor_pages=self.layout.pages_for(1))  # every view's base row
             for i in range(self.layout.num_regions)
         ]
         self._layer_views = self.layout.layer_views(
-            [r.as_bytes() for r in self.regions], num_slots
+            [r.as_bytes() for r in self.regions], va_slots
         )
-        self._mapped = [0] * num_slots
-        self._idle_slots = set(range(num_slots))
+        self._mapped = [0] * va_slots  # the anchor slot's pages are the regions' own
+        self._idle_slots = set(range(ANCHOR_SLOT + 1, va_slots))
         self._slot_of: dict[str, int] = {}
         self._num_tokens: dict[str, int] = {}
         self._mapper: BackgroundMapper | None = None
@@ -149,7 +160,8 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         return self._slot_of[request_id]
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[slot, slot_tokens, kv_head, head_dim]`` strided K and V views of ``layer``."""
+        """``[num_slots + 1, slot_tokens, kv_head, head_dim]`` strided K and V views of
+        ``layer`` (index 0 is the anchor slot; its base is always mapped)."""
         return self._layer_views[layer]
 
     def num_tokens(self, request_id: str) -> int:
@@ -488,9 +500,10 @@ class VirtualKVCache(PrefixCachingMixin, KVCacheManager):
         refs = np.zeros(pool.num_pages, dtype=np.int64)
         where: dict[int, tuple[int, int]] = {}
         runs = 0
+        assert ANCHOR_SLOT not in self._idle_slots and ANCHOR_SLOT not in self._slot_of.values()
         for r, region in enumerate(self.regions):
-            table = region.page_at.reshape(self.num_slots, layout.slot_pages)
-            for slot in range(self.num_slots):
+            table = region.page_at.reshape(len(self._mapped), layout.slot_pages)
+            for slot in range(len(self._mapped)):
                 m = self._mapped[slot]
                 assert (table[slot, :m] != UNMAPPED).all(), f"hole in slot {slot} region {r}"
                 assert (table[slot, m:] == UNMAPPED).all(), f"stray page in slot {slot}"

@@ -87,6 +87,17 @@ class MemoryBackend(ABC):
     def unmap_run(self, va: int, num_pages: int) -> None:
         """Make ``num_pages`` pages at ``va`` inaccessible again; the reservation stays."""
 
+    @abstractmethod
+    def map_anchor(self, va: int, num_pages: int) -> None:
+        """Map the backend's *anchor* page at each of ``num_pages`` pages from ``va``.
+
+        The anchor is one physical page the backend owns (created on first use, outside every
+        pool, released by :meth:`close`); it holds nothing anyone reads. A region maps it under
+        its first pages so that the region's base address is always mapped: kernel launchers
+        (Triton's) refuse a tensor argument whose base address has nothing mapped. Unmap it with
+        :meth:`unmap_run` like any page.
+        """
+
     # -- access ------------------------------------------------------------------------------
     @abstractmethod
     def as_tensor(self, base: int, nbytes: int) -> torch.Tensor:

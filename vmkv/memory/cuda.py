@@ -8,6 +8,7 @@
               unmapped, so every page is its own map call)
     release   cuMemRelease(handle)
     free      cuMemAddressFree(base, size)
+    anchor    one extra handle (cuMemCreate on first use) mapped under regions' first pages
 
 Map, set-access and unmap are synchronous host calls, not stream-ordered: the caller must map
 before launching kernels that read the pages and call :meth:`synchronize` before unmapping.
@@ -102,6 +103,7 @@ class CudaMemoryBackend(MemoryBackend):
         self.max_pages = max_pages
         self._access = self._access_desc()
         self._handles: list[Any] = [None] * max_pages
+        self._anchor: Any = None  # the anchor page's handle (see map_anchor)
 
     # -- driver plumbing ----------------------------------------------------------------------
     def _call(self, fn: str, *args: Any) -> Any:
@@ -167,20 +169,29 @@ class CudaMemoryBackend(MemoryBackend):
 
     # -- mapping -----------------------------------------------------------------------------
     def map_run(self, va: int, first_page: int, num_pages: int) -> None:
+        with self.stats.timed("map", num_pages):
+            self._map_handles(va, self._handles[first_page : first_page + num_pages])
+
+    def map_anchor(self, va: int, num_pages: int) -> None:
+        self._ensure_context()
+        if self._anchor is None:
+            self._anchor = self._call("cuMemCreate", self.page_size, self._prop, 0)
+        self._map_handles(va, [self._anchor] * num_pages)  # one handle at many addresses
+
+    def _map_handles(self, va: int, handles: list[Any]) -> None:
+        """cuMemMap each handle at its page from ``va``, then one cuMemSetAccess over all."""
         ps = self.page_size
         self._ensure_context()
-        with self.stats.timed("map", num_pages):
-            mapped = 0
-            try:
-                for i in range(num_pages):
-                    handle = self._handles[first_page + i]
-                    self._call("cuMemMap", self._ptr(va + i * ps), ps, 0, handle, 0)
-                    mapped += 1
-                self._call("cuMemSetAccess", self._ptr(va), num_pages * ps, [self._access], 1)
-            except BaseException:
-                for i in range(mapped):  # leave no half-mapped run behind
-                    self.cu.cuMemUnmap(self._ptr(va + i * ps), ps)
-                raise
+        mapped = 0
+        try:
+            for i, handle in enumerate(handles):
+                self._call("cuMemMap", self._ptr(va + i * ps), ps, 0, handle, 0)
+                mapped += 1
+            self._call("cuMemSetAccess", self._ptr(va), len(handles) * ps, [self._access], 1)
+        except BaseException:
+            for i in range(mapped):  # leave no half-mapped run behind
+                self.cu.cuMemUnmap(self._ptr(va + i * ps), ps)
+            raise
 
     def unmap_run(self, va: int, num_pages: int) -> None:
         ps = self.page_size
@@ -236,6 +247,9 @@ class CudaMemoryBackend(MemoryBackend):
         for page_id, handle in enumerate(self._handles):
             if handle is not None:
                 self.release_page(page_id)
+        if self._anchor is not None:
+            self._call("cuMemRelease", self._anchor)
+            self._anchor = None
 
 
 def _ordinal(device: int | str | torch.device) -> int:

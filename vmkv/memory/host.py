@@ -7,6 +7,7 @@
                              (an atomic replace: nothing else can land in the hole)
     cuMemRelease         ->  fallocate(memfd, PUNCH_HOLE|KEEP_SIZE, page_off, page)
     cuMemAddressFree     ->  munmap(va, n)
+    (anchor page)        ->  the page after the pool's last one in the same memfd
 
 The physical pool is one memfd of ``max_pages * page_size`` bytes (sparse until pages are
 created), so page ``i`` lives at file offset ``i * page_size`` and a run of adjacent page ids maps
@@ -85,7 +86,8 @@ class HostMemoryBackend(MemoryBackend):
         self.max_pages = max_pages
         self.device = torch.device("cpu")
         self._fd = os.memfd_create("vmkv-kv-pool", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, page_size * max_pages)  # sparse: costs nothing until created
+        # pages 0 .. max_pages-1, then the anchor page; sparse: costs nothing until touched
+        os.ftruncate(self._fd, page_size * (max_pages + 1))
 
     # -- virtual address space -------------------------------------------------------------
     def reserve(self, nbytes: int) -> int:
@@ -125,6 +127,13 @@ class HostMemoryBackend(MemoryBackend):
                              first_page * self.page_size)
             if got != va:
                 raise _os_error(f"mmap(map {num_pages} pages at {va:#x})")
+
+    def map_anchor(self, va: int, num_pages: int) -> None:
+        ps, anchor = self.page_size, self.max_pages * self.page_size
+        for i in range(num_pages):  # the same file page at each address: one VMA each
+            if _libc.mmap(va + i * ps, ps, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                          self._fd, anchor) != va + i * ps:
+                raise _os_error(f"mmap(anchor at {va + i * ps:#x})")
 
     def unmap_run(self, va: int, num_pages: int) -> None:
         n = num_pages * self.page_size

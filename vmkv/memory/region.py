@@ -9,6 +9,10 @@ a maximal stretch of mapped virtual pages whose physical ids are consecutive; on
 run is one kernel VMA, and so is each maximal unmapped (PROT_NONE) stretch between them. The
 region counts both exactly (``num_vmas``), and the pool's budget on their sum keeps the process
 under ``vm.max_map_count``.
+
+An *anchored* region keeps its first ``anchor_pages`` pages mapped to the backend's anchor page
+for its whole life (they are not in the table and never hold data): the region's base address,
+where every tensor view of it starts, is then always mapped, as kernel launchers require.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ UNMAPPED = -1
 class VirtualRegion:
     """``num_pages`` pages of reserved virtual address space over a :class:`PagePool`."""
 
-    def __init__(self, pool: PagePool, nbytes: int, name: str = "", partition: int = 0
-                 ) -> None:
+    def __init__(self, pool: PagePool, nbytes: int, name: str = "", partition: int = 0,
+                 anchor_pages: int = 0) -> None:
         ps = pool.page_size
         if nbytes <= 0 or nbytes % ps:
             raise ValueError(
                 f"region size must be a positive multiple of the page size ({ps} B), got {nbytes}"
             )
+        if not 0 <= anchor_pages < nbytes // ps:
+            raise ValueError(f"anchor_pages must be in 0..{nbytes // ps - 1}, got {anchor_pages}")
         self.pool = pool
         self.backend = pool.backend
         self.name = name
@@ -43,8 +49,16 @@ class VirtualRegion:
         self.base = self.backend.reserve(nbytes)
         self.page_at = np.full(self.num_pages, UNMAPPED, dtype=np.int64)  # va page -> phys page
         self.num_mapped = 0
-        self.num_vmas = 1  # the reservation: one PROT_NONE stretch
-        pool.num_vmas += 1
+        self.anchor_pages = anchor_pages
+        if anchor_pages:
+            try:
+                self.backend.map_anchor(self.base, anchor_pages)
+            except BaseException:
+                self.backend.free_reservation(self.base, nbytes)
+                raise
+        # the reservation: one PROT_NONE stretch, after one VMA per anchored page
+        self.num_vmas = anchor_pages + 1
+        pool.num_vmas += self.num_vmas
         self._bytes: torch.Tensor | None = None
 
     # -- views --------------------------------------------------------------------------------
@@ -122,15 +136,19 @@ class VirtualRegion:
             self.backend.synchronize()
         for va_page in mapped:
             self.unmap(int(va_page), 1)
+        if self.anchor_pages:
+            self.backend.synchronize()
+            self.backend.unmap_run(self.base, self.anchor_pages)
         self._bytes = None
         self.backend.free_reservation(self.base, self.nbytes)
         self._add_vmas(-self.num_vmas)
 
     # -- internals ----------------------------------------------------------------------------
     def _check_unmapped(self, va_page: int, num: int) -> None:
-        if va_page < 0 or va_page + num > self.num_pages:
+        if va_page < self.anchor_pages or va_page + num > self.num_pages:
             raise ValueError(f"{self.name}: pages {va_page}..{va_page + num - 1} are outside "
-                             f"the region of {self.num_pages} pages")
+                             f"the pages {self.anchor_pages}..{self.num_pages - 1} that can be "
+                             "mapped")
         if (self.page_at[va_page : va_page + num] != UNMAPPED).any():
             raise ValueError(f"{self.name}: pages {va_page}..{va_page + num - 1} are already "
                              "(partly) mapped")
@@ -166,7 +184,10 @@ class VirtualRegion:
     def _vmas_delta(self, va_page: int, num: int, new: list[int] | None) -> int:
         """Change in VMAs if ``[va_page, va_page+num)`` became ``new`` (None: unmapped)."""
         lo, hi = max(va_page - 1, 0), min(va_page + num + 1, self.num_pages)
-        before = self.page_at[lo:hi]
+        before = self.page_at[lo:hi].copy()
+        anchored = min(hi, self.anchor_pages) - lo
+        if anchored > 0:  # each anchored page is a mapping (a VMA) of its own
+            before[:anchored] = -2 - np.arange(lo, lo + anchored)
         after = before.copy()
         after[va_page - lo : va_page - lo + num] = UNMAPPED if new is None else new
         return _count_vmas(after) - _count_vmas(before)
