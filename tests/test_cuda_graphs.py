@@ -237,6 +237,45 @@ def test_backends_that_cannot_be_captured_are_refused(caplog: pytest.LogCaptureF
     assert "cannot be captured" in caplog.text
 
 
+class CaptureFails:
+    """A graph whose capture fails as torch's does: the kernel's error, then ``graph.__exit__``
+    ending the capture raises a stream-capture error chained over it."""
+
+    def capture(self, fn):  # type: ignore[no-untyped-def]
+        try:
+            raise ValueError("Pointer argument (at 2) cannot be accessed from Triton (cpu tensor?)")
+        except ValueError:
+            raise RuntimeError("CUDA error: operation not permitted when stream is "  # noqa: B904
+                               "capturing")  # chained implicitly (__context__), like torch
+
+    def replay(self) -> None:
+        raise AssertionError("never captured")
+
+
+def test_a_failed_capture_logs_its_cause_and_leaves_steps_eager(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model, cfg = tiny_model(torch.float16, "cpu")
+    kv, attn = _virtual_setup("aten-flash", cfg)
+    mapper = BackgroundMapper(kv.backend)
+    # a CUDA model as far as the factory looks (its device); the forward runs on the CPU
+    cuda_model = SimpleNamespace(device=torch.device("cuda"), forward=model.forward)
+    with caplog.at_level(logging.WARNING, logger="vmkv"):
+        runner = maybe_create_graph_runner(cuda_model, attn, max_batch_size=2, mapper=mapper,
+                                           graph_factory=CaptureFails)
+    assert runner is None
+    assert ("capturing the decode steps failed: ValueError: Pointer argument (at 2) cannot be "
+            "accessed from Triton (cpu tensor?) (surfaced as: RuntimeError: CUDA error: "
+            "operation not permitted when stream is capturing); every step runs eagerly"
+            ) in caplog.text
+    assert mapper.submit([lambda: None]) == 1  # not left paused
+    mapper.wait()
+    mapper.close()
+    assert kv.allocate("a", 3)  # an eager step still runs
+    eager(model, attn, ["a"], [0], [3], [1, 2, 3])
+    kv.free("a")
+    kv.check()
+
+
 # -- GPU: real CUDA graphs ----------------------------------------------------------------------
 def _cuda_virtual(cfg: ModelConfig, kernel: str) -> tuple[VirtualKVCache, VirtualCudaBackend]:
     from vmkv.memory.cuda import CudaMemoryBackend

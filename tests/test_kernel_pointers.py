@@ -29,6 +29,7 @@ after the request in the first slot had finished and its pages were unmapped::
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -52,7 +53,12 @@ from hypothesis.stateful import (  # noqa: E402
 from test_attention_cuda import run_child  # noqa: E402
 from triton_required import needs_triton  # noqa: E402
 
-from vmkv.attention.kv_store import store_triton  # noqa: E402
+from vmkv.attention.kv_store import (  # noqa: E402
+    default_store,
+    store_index_copy,
+    store_triton,
+    triton_usable,
+)
 from vmkv.attention.virtual_cuda import VirtualCudaBackend  # noqa: E402
 from vmkv.kernels.launch import launch, pointer_guard  # noqa: E402
 from vmkv.kv import KVSpec, VirtualKVCache  # noqa: E402
@@ -249,3 +255,19 @@ def _triton_step(layout: str) -> None:
     kv.free("c")
     kv.check()
     kv.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CUDA device where launches fail")
+def test_triton_that_cannot_launch_means_the_torch_paths_with_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An import is not enough: Triton must launch a kernel on the device (here none exists, as
+    on a GPU machine whose Triton cannot build its launcher without a C compiler)."""
+    cuda = torch.device("cuda")
+    triton_usable.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vmkv"):
+        assert not triton_usable(cuda) and not triton_usable(cuda)
+        assert default_store(cuda) == (store_index_copy, False)
+    warnings = [r for r in caplog.records if "cannot launch a kernel on cuda" in r.message]
+    assert len(warnings) == 1 and "using the torch paths instead" in warnings[0].message
+    assert triton_usable(torch.device("cpu"))  # CPU tensors: the interpreter (tests)
+    triton_usable.cache_clear()

@@ -175,6 +175,33 @@ def test_bad_arguments_raise_value_error() -> None:
         td.decode_paged(q, strided, strided, lens[:, None], lens, 1.0)
 
 
+def test_tiny_head_dims_run_on_a_tile_of_at_least_16() -> None:
+    """``tl.dot`` needs an inner size >= 16 for 16-bit inputs on Triton 3.6 GPUs: the head-dim
+    tile is clamped (masked lanes), tiles smaller than that are refused."""
+    assert [td.block_d(d) for d in (4, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
+    gen = torch.Generator().manual_seed(3)
+    dim, lens = 8, [5, 1, 30]
+    keys = [torch.randn(n, KV_HEADS, dim, generator=gen) for n in lens]
+    values = [torch.randn(n, KV_HEADS, dim, generator=gen) for n in lens]
+    k = torch.zeros(len(lens), 32, KV_HEADS, dim)
+    v = torch.zeros_like(k)
+    for b, n in enumerate(lens):
+        k[b, :n], v[b, :n] = keys[b], values[b]
+    k, v = k.to(DEVICE, torch.float16), v.to(DEVICE, torch.float16)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 2 * KV_HEADS, dim, generator=gen).to(DEVICE, torch.float16)
+    out = td.decode_contiguous(q, k, v, slots, seq_lens, SCALE, block_n=16)
+    ref = torch.stack([_reference(q[b : b + 1].cpu(), keys[b], values[b], n - 1)[0]
+                       for b, n in enumerate(lens)])
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    out = td.prefill_contiguous(q, k, v, slots, cu, seq_lens, 1, SCALE, block_m=16, block_n=16)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        td.decode_contiguous(q, k, v, slots, seq_lens, SCALE, block_n=8)
+
+
 _CHILD = textwrap.dedent(
     """
     import json, os, sys

@@ -13,9 +13,13 @@ the reserved range, so unmapped pages beyond each request's length are never acc
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -50,16 +54,38 @@ def store_triton(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
 
 def default_store(device: torch.device) -> tuple[StoreFn, bool]:
     """(store function, whether it is graph-capturable) for ``device``: the Triton write on
-    CUDA when Triton imports, else ``index_copy_`` (not capturable with padding)."""
-    if device.type == "cuda" and has_triton():
+    CUDA when Triton can launch kernels there, else ``index_copy_`` (not capturable with
+    padding)."""
+    if device.type == "cuda" and triton_usable(device):
         return store_triton, True
     return store_index_copy, False
 
 
-def has_triton() -> bool:
-    """Whether the ``triton`` package imports."""
+@functools.cache
+def triton_usable(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device``.
+
+    Off CUDA: whether the package imports (CPU tensors need ``TRITON_INTERPRET=1``). On CUDA an
+    import proves little (Triton compiles its launcher with the host C compiler on first use,
+    and the driver must accept it), so a one-element K/V write is launched and waited for; if
+    it fails, one warning says why and callers take the torch paths (``index_copy_`` write,
+    SDPA/gather attention, no CUDA graphs).
+    """
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    if device.type != "cuda":
+        return True
+    try:
+        one = torch.zeros(1, 1, 1, device=device)  # [T=1, H=1, D=1]
+        cache = torch.zeros(1, 1, 1, device=device)
+        store_triton(cache, cache.clone(), torch.zeros(1, dtype=torch.int64, device=device),
+                     one, one)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use Triton here
+        logger.warning("Triton is installed but cannot launch a kernel on %s (%s: %s); using "
+                       "the torch paths instead (index_copy_ K/V write, SDPA/gather "
+                       "attention, no CUDA graphs)", device, type(exc).__name__, exc)
         return False
     return True

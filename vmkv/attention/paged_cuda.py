@@ -36,7 +36,7 @@ from vmkv.attention.cuda_common import (
     token_positions,
     warn_fallback,
 )
-from vmkv.attention.kv_store import StoreFn, has_triton
+from vmkv.attention.kv_store import StoreFn, triton_usable
 from vmkv.attention.sdpa import attend_gathered
 from vmkv.kv.paged import PagedKVCache
 
@@ -61,7 +61,7 @@ def resolve_paged_kernel(requested: str, dtype: torch.dtype, head_dim: int, bloc
             return "flash-attn"
         if triton:
             return "triton"
-        warn_fallback(name, "Triton is not installed", "sdpa")
+        warn_fallback(name, "Triton cannot run here", "sdpa")
         return "sdpa"
     if requested == "flash-attn":
         if not flash_attn:
@@ -69,7 +69,8 @@ def resolve_paged_kernel(requested: str, dtype: torch.dtype, head_dim: int, bloc
         if flash_reason is not None:
             raise ValueError(f"{name}: kernel 'flash-attn': {flash_reason}")
     if requested == "triton" and not triton:
-        raise ValueError(f"{name}: kernel 'triton' needs the triton package")
+        raise ValueError(f"{name}: kernel 'triton' needs Triton able to launch kernels here "
+                         "(not installed, or its launch failed: see the warning)")
     return requested
 
 
@@ -130,7 +131,7 @@ class PagedCudaBackend(CudaAttentionBackend):
         self._fa = flash_attn if flash_attn is not None else flash_attn_module()
         self.kernel = resolve_paged_kernel(requested_kernel(kernel), spec.dtype, spec.head_dim,
                                            kv.block_size, flash_attn=self._fa is not None,
-                                           triton=has_triton())
+                                           triton=triton_usable(kv.device))
         self.name = f"paged-{self.kernel}"
         self.tables = BlockTables(kv)
         self._steps = 0

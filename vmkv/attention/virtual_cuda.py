@@ -45,7 +45,7 @@ from vmkv.attention.cuda_common import (
     token_positions,
     warn_fallback,
 )
-from vmkv.attention.kv_store import StoreFn, has_triton
+from vmkv.attention.kv_store import StoreFn, triton_usable
 from vmkv.attention.sdpa import attend_rows
 from vmkv.kv.virtual import VirtualKVCache
 
@@ -86,7 +86,8 @@ def resolve_virtual_kernel(requested: str, dtype: torch.dtype, head_dim: int, *,
     if requested == "aten-flash" and aten_reason is not None:
         raise ValueError(f"{name}: kernel 'aten-flash': {aten_reason}")
     if requested == "triton" and not triton:
-        raise ValueError(f"{name}: kernel 'triton' needs the triton package")
+        raise ValueError(f"{name}: kernel 'triton' needs Triton able to launch kernels here "
+                         "(not installed, or its launch failed: see the warning)")
     if requested in ("flash-attn", "aten-flash") and flash_reason is not None:
         warn_fallback(name, flash_reason, "sdpa")
         return "sdpa"
@@ -121,7 +122,7 @@ class VirtualCudaBackend(CudaAttentionBackend):
                                   else _aten_varlen if aten else _unavailable)
         self.kernel = resolve_virtual_kernel(
             requested_kernel(kernel), spec.dtype, spec.head_dim, flash_attn=self._fa is not None,
-            aten=aten, triton=has_triton(),
+            aten=aten, triton=triton_usable(kv.device),
             rows_fit_int32=(kv.num_slots + 1) * self.slot_tokens <= INT32_MAX)
         self.name = f"virtual-{self.kernel}"
         # [num_slots + 1, slot_tokens, Hkv, D] strided views (slot 0: the anchor slot, always

@@ -194,16 +194,49 @@ def graphs_enabled() -> bool:
 
 
 def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
-                              max_batch_size: int, mapper: BackgroundMapper | None = None
+                              max_batch_size: int, mapper: BackgroundMapper | None = None,
+                              graph_factory: Callable[[], Graph] | None = None
                               ) -> DecodeGraphRunner | None:
     """A captured :class:`DecodeGraphRunner` for CUDA engines whose backend allows it; None on
-    CPU, when ``$VMKV_CUDA_GRAPHS=0``, or when the backend cannot be captured (logged)."""
+    CPU, when ``$VMKV_CUDA_GRAPHS=0``, when the backend cannot be captured, or when capturing
+    fails (logged with its root cause: every step then runs eagerly). ``graph_factory`` as in
+    :class:`DecodeGraphRunner` (tests)."""
     if model.device.type != "cuda" or not graphs_enabled():
         return None
     if not isinstance(attn, CudaAttentionBackend) or not attn.supports_cuda_graphs:
         logger.warning("CUDA graphs off: attention backend %s cannot be captured",
                        getattr(attn, "name", attn))
         return None
-    runner = DecodeGraphRunner(model, attn, max_batch_size=max_batch_size, mapper=mapper)
-    runner.capture()
+    try:
+        runner = DecodeGraphRunner(model, attn, max_batch_size=max_batch_size, mapper=mapper,
+                                   graph_factory=graph_factory)
+        runner.capture()
+    except Exception as exc:  # noqa: BLE001 - degrade to eager steps, with the reason
+        _check_device_usable(attn.device, exc)
+        logger.warning("CUDA graphs off: capturing the decode steps failed: %s; every step "
+                       "runs eagerly", describe_chain(exc))
+        return None
     return runner
+
+
+def describe_chain(exc: BaseException) -> str:
+    """``root cause (surfaced as: outer error)``: torch's ``graph.__exit__`` always ends the
+    capture, so an error raised inside it arrives chained under a stream-capture error."""
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and (
+            nxt not in chain):
+        chain.append(nxt)
+    text = [f"{type(e).__name__}: {e}" for e in reversed(chain)]
+    return text[0] + (f" (surfaced as: {'; '.join(text[1:])})" if len(text) > 1 else "")
+
+
+def _check_device_usable(device: torch.device, cause: BaseException) -> None:
+    """Re-raise ``cause`` if the device is unusable after it (a sticky CUDA error such as an
+    illegal address poisons the context: eager steps could not run either)."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"the CUDA context is unusable after a failed graph capture "
+                           f"({describe_chain(cause)})") from exc

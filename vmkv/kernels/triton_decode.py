@@ -262,6 +262,23 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
     return num_heads // kv_heads, head_dim
 
 
+#: Triton's ``tl.dot`` needs inner sizes >= 16 for 16-bit inputs (Triton 3.6 rejects less)
+MIN_DOT = 16
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile: a power of two >= ``head_dim`` and >= :data:`MIN_DOT` (the lanes past
+    ``head_dim`` are masked), so every ``tl.dot`` over it is legal for any head size."""
+    return max(MIN_DOT, triton.next_power_of_2(head_dim))
+
+
+def _check_tiles(**tiles: int) -> None:
+    for name, size in tiles.items():
+        if size < MIN_DOT or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= {MIN_DOT} (tl.dot's inner "
+                             f"size), got {size}")
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs: exact fp32 dots (the reference is fp32); 16-bit inputs ignore it
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -279,16 +296,17 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
             num_splits: int | None, block_n: int, num_warps: int, num_stages: int
             ) -> torch.Tensor:
     group, head_dim = _check(q, k, v, index, seq_lens, 2 if paged else 1)
+    _check_tiles(block_n=block_n)
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q must be [B, heads, head_dim] with B={seq_lens.shape[0]}, "
                          f"got {tuple(q.shape)}")
     batch, num_heads, _ = q.shape
     kv_heads = k.shape[2]
     splits = num_splits or _default_splits(q, batch * kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
+    tile_d = block_d(head_dim)
     out = torch.empty_like(q)  # [B, Hq, D]
     if splits > 1:
-        part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32,
+        part_out = torch.empty(batch, num_heads, splits, tile_d, dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
@@ -299,8 +317,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         index.stride(0) if paged else 0, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tile_d,
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, PAGED=paged,
         PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
@@ -308,7 +326,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         launch(
             _merge_splits_kernel, (batch, num_heads),
             out, part_out, part_lse, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            HEAD_DIM=head_dim, BLOCK_D=tile_d, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
         )
     return out
@@ -354,6 +372,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
              scale: float, *, paged: bool, block_size: int, block_m: int, block_n: int,
              num_warps: int, num_stages: int) -> torch.Tensor:
     group, head_dim = _check(q, k, v, index, seq_lens, 2 if paged else 1)
+    _check_tiles(block_m=block_m, block_n=block_n)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens_q must be int32 [B + 1], got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)}")
@@ -370,7 +389,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         index.stride(0) if paged else 0, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
         PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
