@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.kv.virtual import VirtualKVCache
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -44,7 +43,6 @@ class Snapshot:
 def take_snapshot(engine: LLMEngine) -> Snapshot:
     """Read the engine's counters (call on the engine thread)."""
     kv = engine.kv
-    ops = kv.backend.stats.as_dict() if isinstance(kv, VirtualKVCache) else {}
     stats = engine.scheduler.stats
     return Snapshot(
         running=len(engine.scheduler.running),
@@ -56,7 +54,7 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         preemptions=stats.num_preemptions,
         recomputed_tokens=stats.num_recomputed_tokens,
         swapped_tokens=stats.num_swapped_out_tokens,
-        memory_ops=ops,
+        memory_ops=kv.memory_stats(),
         prefix_queries=kv.prefix.queries if kv.prefix is not None else 0,
         prefix_hits=kv.prefix.hits if kv.prefix is not None else 0,
         prefix_enabled=kv.prefix is not None,

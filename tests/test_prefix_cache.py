@@ -43,7 +43,7 @@ def compute(kv, rid: str, tokens: list[int], salt: str | None = None) -> int:
 def units(kv, rid: str) -> list:
     if isinstance(kv, PagedKVCache):
         return kv.block_table(rid)
-    return [kv._unit_payload(rid, i) for i in range(kv.mapped_pages(kv.slot(rid)))]
+    return [kv.prefix.units.unit_payload(rid, i) for i in range(kv.mapped_pages(kv.slot(rid)))]
 
 
 MAKERS = {"paged": paged, "virtual": virtual}
@@ -102,7 +102,7 @@ def test_pages_holding_fractional_tokens_share_only_whole_pages() -> None:
     # 3072 B rows on 4 KiB pages: page 1 holds the end of token 1 and the start of token 2
     frac = VirtualKVCache(KVSpec(2, 3, 64), pool=PagePool(HostMemoryBackend(4096, 64), 64),
                           num_slots=3, max_model_len=64, enable_prefix_caching=True)
-    assert [frac._unit_span(p) for p in range(3)] == [(0, 2), (1, 3), (2, 4)]
+    assert [frac.prefix.units.unit_span(p) for p in range(3)] == [(0, 2), (1, 3), (2, 4)]
     tokens = list(range(10, 30))
     compute(frac, "a", tokens)
     copies = frac.pool.num_in_use
@@ -194,7 +194,7 @@ def test_500_random_requests_with_shared_prefixes_evictions_and_aborts(mode: str
     usage = kv.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0
     assert kv.prefix.hits > 0 and kv.prefix.queries > kv.prefix.hits
-    assert kv._evict_cached(10**9) >= 0 and kv.usage.bytes_cached == 0
+    assert kv.prefix.evict(10**9) >= 0 and kv.usage.bytes_cached == 0
     if mode == "paged":
         assert kv.pool.num_in_use == 0
     else:  # only idle slots' deferred pages remain; reclaiming them leaves nothing

@@ -26,7 +26,6 @@ from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv import create_kv_cache
-from vmkv.kv.virtual import VirtualKVCache
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
 from vmkv.sampling import Sampler, SamplingState
@@ -74,10 +73,8 @@ class LLMEngine:
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
         # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
         self.mapper: BackgroundMapper | None = None
-        if (isinstance(self.kv, VirtualKVCache) and self.kv.device.type == "cuda"
-                and os.environ.get("VMKV_BACKGROUND_MAPPER", "1") != "0"):
-            self.mapper = BackgroundMapper(self.kv.backend)
-            self.kv.attach_mapper(self.mapper)
+        if os.environ.get("VMKV_BACKGROUND_MAPPER", "1") != "0":
+            self.mapper = self.kv.start_background_mapper()
         # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
         self.graphs = maybe_create_graph_runner(self.model, self.attn,
                                                 max_batch_size=config.max_num_seqs,
@@ -110,15 +107,7 @@ class LLMEngine:
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
         ]
-        if isinstance(kv, VirtualKVCache):
-            lay = kv.layout
-            lines.append(
-                f"virtual: {kv.usage.virt_reserved_bytes / 2**30:,.1f} GiB reserved "
-                f"({kv.num_slots} slots x {lay.slot_tokens:,} tokens), layout {lay.name}, "
-                f"page {lay.page_size // 1024} KiB = {lay.page_size / lay.row_bytes:.2f} tokens, "
-                f"{kv.pool.num_created} pages pre-created")
-        else:
-            lines.append(f"paged: {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens")
+        lines.append(kv.describe())
         return lines
 
     # -- requests -----------------------------------------------------------------------------
@@ -212,7 +201,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix unit; returns how many (0 when prefix caching is off).
 
-        Running requests keep their KV (see ``PrefixCachingMixin.reset_prefix_cache``).
+        Running requests keep their KV (see ``PrefixCaching.reset``).
         """
         return self.kv.reset_prefix_cache()
 

@@ -11,11 +11,17 @@ and per-request addressing (slot ids or block tables).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
+
+if TYPE_CHECKING:
+    from vmkv.memory.mapper import BackgroundMapper
 
 
 @dataclass(frozen=True)
@@ -142,21 +148,46 @@ class KVCacheManager(ABC):
     def close(self) -> None:
         """Release all memory; the manager is unusable afterwards."""
 
+    @abstractmethod
+    def describe(self) -> str:
+        """One line on the mode's geometry (slots and pages, or blocks) for start-up reports."""
+
+    def memory_stats(self) -> dict[str, dict[str, float]]:
+        """Per-operation counters of the memory backend (map, unmap, create, release: calls,
+        pages, time); empty where no pages are mapped at run time (paged mode)."""
+        return {}
+
+    # -- background pre-mapping (virtual mode on CUDA; see vmkv.memory.mapper) ----------------
+    def start_background_mapper(self) -> BackgroundMapper | None:
+        """Start a mapper thread that pre-maps pages while the device computes, attached to
+        this manager; None where there is nothing to pre-map."""
+        return None
+
+    def premap_ahead(self, lookahead_tokens: int) -> list[Callable[[], int]]:
+        """Units of work for the mapper: the pages running requests' next ``lookahead_tokens``
+        tokens need (none by default)."""
+        return []
+
     # -- prefix caching (off unless the manager enables it; see vmkv.kv.prefix) -----------------
-    prefix = None
+    prefix: PrefixCaching | None = None
 
-    def match_prefix(self, request_id: str, token_ids: list[int],
+    def match_prefix(self, request_id: str, token_ids: Sequence[int],
                      cache_salt: str | None = None) -> int:
-        """Cached tokens given to a new request (0 when prefix caching is off)."""
-        return 0
+        """Give a request that holds no KV yet the longest cached prefix of ``token_ids``;
+        returns the tokens it now has (0 when prefix caching is off)."""
+        if self.prefix is None:
+            return 0
+        return self.prefix.match(request_id, token_ids, cache_salt)
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
+    def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                        cache_salt: str | None = None) -> None:
         """Publish the request's completely computed units to the prefix cache (no-op if off)."""
+        if self.prefix is not None:
+            self.prefix.publish(request_id, token_ids, num_computed, cache_salt)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached unit; returns how many (0 when prefix caching is off)."""
-        return 0
+        return self.prefix.reset() if self.prefix is not None else 0
 
     def has_request(self, request_id: str) -> bool:
         return self.num_tokens(request_id) > 0 or request_id in self.request_ids()

@@ -17,7 +17,7 @@ from collections import deque
 import torch
 
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
-from vmkv.kv.prefix import PrefixCachingMixin
+from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
 
 
@@ -63,7 +63,7 @@ class BlockPool:
             self.free_queue.append(block)
 
 
-class PagedKVCache(PrefixCachingMixin, KVCacheManager):
+class PagedKVCache(KVCacheManager):
     """Block-table KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     kv_mode = "paged"
@@ -92,7 +92,8 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.block_tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
-        self._init_prefix_cache(enable_prefix_caching, prefix_cache_hash)
+        if enable_prefix_caching:
+            self.prefix = PrefixCaching(BlockUnits(self), prefix_cache_hash)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -139,7 +140,7 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
 
     @property
     def free_units(self) -> int:
-        return self.pool.num_free + self._num_evictable()
+        return self.pool.num_free + (self.prefix.num_evictable() if self.prefix else 0)
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         need = self.units_needed(request_id, num_new_tokens)
@@ -147,8 +148,8 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
 
     def allocate(self, request_id: str, num_new_tokens: int) -> bool:
         new_blocks, cow = self._plan(request_id, num_new_tokens)
-        if new_blocks + cow > self.pool.num_free:
-            self._evict_cached(new_blocks + cow - self.pool.num_free)
+        if new_blocks + cow > self.pool.num_free and self.prefix is not None:
+            self.prefix.evict(new_blocks + cow - self.pool.num_free)
         got = self.pool.allocate(new_blocks + cow)
         if got is None:
             return False
@@ -158,6 +159,9 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
         table.extend(got)
         self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
         return True
+
+    def describe(self) -> str:
+        return f"paged: {self.pool.num_blocks:,} blocks of {self.block_size} tokens"
 
     def _copy_on_write(self, table: list[int], new_block: int) -> None:
         old = table[-1]
@@ -173,7 +177,8 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
             self.pool.retain(block)
         self.block_tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
-        self._inherit_prefix(parent_id, child_id)
+        if self.prefix is not None:
+            self.prefix.inherit(parent_id, child_id)
         return True
 
     def free(self, request_id: str) -> None:
@@ -181,35 +186,8 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
         del self._num_tokens[request_id]
         for block in reversed(table):  # all or nothing; tail blocks reach the queue first
             self.pool.release(block)
-        self._forget_prefix(request_id)
-
-    # -- prefix-caching hooks (see vmkv.kv.prefix) --------------------------------------------
-    def _unit_span(self, i: int) -> tuple[int, int]:
-        return i * self.block_size, (i + 1) * self.block_size
-
-    def _unit_payload(self, request_id: str, i: int) -> int:
-        return self.block_tables[request_id][i]
-
-    def _hold(self, block: int) -> None:
-        self.pool.retain(block)
-
-    def _unhold(self, block: int) -> None:
-        self.pool.release(block)
-
-    def _is_cache_only(self, block: int) -> bool:
-        return self.pool.ref_cnt[block] == 1
-
-    def _payload_units(self, block: int) -> int:
-        return 1
-
-    def _adopt(self, request_id: str, blocks: list[int]) -> int:
-        if request_id in self.block_tables:
-            raise ValueError(f"match_prefix for {request_id!r}, which already holds KV")
-        for block in blocks:
-            self.pool.retain(block)
-        self.block_tables[request_id] = list(blocks)
-        self._num_tokens[request_id] = len(blocks) * self.block_size
-        return len(blocks) * self.block_size
+        if self.prefix is not None:
+            self.prefix.forget(request_id)
 
     def swap_out(self, request_id: str) -> SwappedKV:
         table = torch.tensor(self.block_tables[request_id], device=self.device)
@@ -230,7 +208,7 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
     # -- accounting ---------------------------------------------------------------------------
     @property
     def usage(self) -> KVUsage:
-        cached = set(self._cache_holds())
+        cached = set(self.prefix.holds() if self.prefix is not None else [])
         cached_only = sum(1 for b in cached if self.pool.ref_cnt[b] == 1)
         held = self.pool.num_in_use * self.block_bytes
         capacity = self.pool.num_blocks * self.block_bytes
@@ -262,9 +240,44 @@ class PagedKVCache(PrefixCachingMixin, KVCacheManager):
             assert len(table) == self._blocks_for(self._num_tokens[rid]), rid
             for block in table:
                 refs[block] += 1
-        for block in self._cache_holds():
+        for block in self.prefix.holds() if self.prefix is not None else []:
             refs[block] += 1
         assert refs == self.pool.ref_cnt, "block ref counts disagree with tables + cache"
         free = set(self.pool.free_queue)
         assert len(free) == len(self.pool.free_queue), "a block is queued twice"
         assert all((refs[b] == 0) == (b in free) for b in range(self.pool.num_blocks))
+
+
+class BlockUnits:
+    """Prefix-caching units of a paged cache: a unit is a block, its payload the block id."""
+
+    def __init__(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+
+    def unit_span(self, i: int) -> tuple[int, int]:
+        return i * self.kv.block_size, (i + 1) * self.kv.block_size
+
+    def unit_payload(self, request_id: str, i: int) -> int:
+        return self.kv.block_tables[request_id][i]
+
+    def hold(self, block: int) -> None:
+        self.kv.pool.retain(block)
+
+    def unhold(self, block: int) -> None:
+        self.kv.pool.release(block)
+
+    def is_cache_only(self, block: int) -> bool:
+        return self.kv.pool.ref_cnt[block] == 1
+
+    def payload_units(self, block: int) -> int:
+        return 1
+
+    def adopt(self, request_id: str, blocks: list[int]) -> int:
+        kv = self.kv
+        if request_id in kv.block_tables:
+            raise ValueError(f"match_prefix for {request_id!r}, which already holds KV")
+        for block in blocks:
+            kv.pool.retain(block)
+        kv.block_tables[request_id] = list(blocks)
+        kv._num_tokens[request_id] = len(blocks) * kv.block_size
+        return len(blocks) * kv.block_size

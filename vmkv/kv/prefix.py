@@ -22,6 +22,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Protocol
 
 HASH_FUNCTIONS = ("sha256", "builtin")
 UnitHash = Hashable
@@ -123,117 +124,141 @@ def unit_hashes(hasher: Callable[[UnitHash | None, Sequence[int], bytes], UnitHa
     return known
 
 
-class PrefixCachingMixin:
-    """Prefix caching shared by both KV modes; each mode supplies the unit geometry and how a
-    unit is referenced (block ids, or one page per region at one page index).
-
-    Hooks a manager implements: ``_unit_span(i) -> (first_token, end_token)`` (tokens
-    overlapping unit i), ``_unit_payload(request_id, i)``, ``_hold(payload)`` /
-    ``_unhold(payload)`` (one reference per block/page), ``_is_cache_only(payload)``,
-    ``_payload_units(payload)`` and ``_adopt(request_id, payloads) -> tokens | None`` (give a new
-    request the hit units; None if it cannot, e.g. no free slot).
+class UnitStore(Protocol):
+    """What a KV mode tells the prefix cache about its shareable units (blocks or pages): their
+    token spans and how a unit's payload (a block id, or one page id per region) is referenced.
     """
 
-    prefix: PrefixCache | None = None
+    def unit_span(self, i: int) -> tuple[int, int]:
+        """``[first_token, end_token)``: the tokens overlapping unit ``i``."""
 
-    def _init_prefix_cache(self, enabled: bool, hash_name: str) -> None:
-        self.prefix = PrefixCache(hash_name) if enabled else None
+    def unit_payload(self, request_id: str, i: int) -> object:
+        """What holds unit ``i`` of ``request_id`` now."""
+
+    def hold(self, payload: object) -> None:
+        """Take one reference on every page or block of ``payload`` (the cache's)."""
+
+    def unhold(self, payload: object) -> None:
+        """Drop the reference :meth:`hold` took."""
+
+    def is_cache_only(self, payload: object) -> bool:
+        """Whether only the cache references ``payload`` (it can be evicted)."""
+
+    def payload_units(self, payload: object) -> int:
+        """Memory units (pages or blocks) ``payload`` frees when evicted."""
+
+    def adopt(self, request_id: str, payloads: list[object]) -> int | None:
+        """Give a request that holds nothing the hit units; their tokens, None if it cannot
+        (no free slot, mapping budget)."""
+
+
+class PrefixCaching:
+    """Automatic prefix caching over one KV manager's :class:`UnitStore`.
+
+    The manager forwards its requests' life cycle (:meth:`match`, :meth:`publish`,
+    :meth:`inherit`, :meth:`forget`) and asks it to :meth:`evict` when memory is short; this class
+    keeps the hash chains per request and the cache's references.
+    """
+
+    def __init__(self, units: UnitStore, hash_name: str = "sha256") -> None:
+        self.units = units
+        self.cache = PrefixCache(hash_name)
         self._hashes: dict[str, list[UnitHash]] = {}
         self._registered: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        """Units cached."""
+        return len(self.cache)
+
+    @property
+    def queries(self) -> int:
+        return self.cache.queries
+
+    @property
+    def hits(self) -> int:
+        return self.cache.hits
 
     def _spans(self) -> Iterable[tuple[int, int]]:
         i = 0
         while True:
-            yield self._unit_span(i)
+            yield self.units.unit_span(i)
             i += 1
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int],
-                     cache_salt: str | None = None) -> int:
+    def match(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> int:
         """Give a request that holds no KV yet the longest cached prefix of ``token_ids``;
-        returns the tokens it now has (0: none, or caching is off). The last token is never
-        taken from the cache: its logits must be computed."""
-        if self.prefix is None:
-            return 0
-        self._quiesce()  # _adopt maps and unmaps: never beside the background mapper
+        returns the tokens it now has. The last token is never taken from the cache: its logits
+        must be computed."""
         extra = (cache_salt or "").encode()
-        hashes = unit_hashes(self.prefix.hash, token_ids[: len(token_ids) - 1], self._spans(),
+        hashes = unit_hashes(self.cache.hash, token_ids[: len(token_ids) - 1], self._spans(),
                              extra, [])
-        payloads = self.prefix.lookup(hashes)
-        tokens = self._adopt(request_id, payloads) if payloads else None
-        self.prefix.record(len(token_ids), tokens or 0)
+        payloads = self.cache.lookup(hashes)
+        tokens = self.units.adopt(request_id, payloads) if payloads else None
+        self.cache.record(len(token_ids), tokens or 0)
         if tokens:
             self._hashes[request_id] = hashes
             self._registered[request_id] = len(payloads)
         return tokens or 0
 
-    def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
-                       cache_salt: str | None = None) -> None:
-        """Publish the request's units that ``num_computed`` tokens now fill completely."""
-        if self.prefix is None:
-            return
-        self._quiesce()
+    def publish(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                cache_salt: str | None) -> None:
+        """Cache the request's units that ``num_computed`` tokens now fill completely."""
         done = complete = self._registered.get(request_id, 0)
-        while self._unit_span(complete)[1] <= num_computed:
+        while self.units.unit_span(complete)[1] <= num_computed:
             complete += 1
         if complete == done:
             return
         hashes = self._hashes.setdefault(request_id, [])
-        unit_hashes(self.prefix.hash, token_ids[:num_computed], self._spans(),
+        unit_hashes(self.cache.hash, token_ids[:num_computed], self._spans(),
                     (cache_salt or "").encode(), hashes)
         for i in range(done, complete):
-            payload = self._unit_payload(request_id, i)
-            if self.prefix.insert(hashes[i], payload):
-                self._hold(payload)
+            payload = self.units.unit_payload(request_id, i)
+            if self.cache.insert(hashes[i], payload):
+                self.units.hold(payload)
         self._registered[request_id] = complete
 
-    def _forget_prefix(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         """On free: the request's units become recently used, deepest first (so the deepest
         ones are evicted first)."""
         hashes = self._hashes.pop(request_id, [])
         registered = self._registered.pop(request_id, 0)
-        if self.prefix is not None:
-            self.prefix.touch(reversed(hashes[:registered]))
+        self.cache.touch(reversed(hashes[:registered]))
 
-    def _inherit_prefix(self, parent_id: str, child_id: str) -> None:
+    def inherit(self, parent_id: str, child_id: str) -> None:
+        """A fork's child continues its parent's chain."""
         if parent_id in self._hashes:
             self._hashes[child_id] = list(self._hashes[parent_id])
             self._registered[child_id] = self._registered.get(parent_id, 0)
 
-    def _evict_cached(self, units_wanted: int) -> int:
-        """Evict least recently used cache-only units until ``units_wanted`` are free."""
+    def evict(self, units_wanted: int) -> int:
+        """Evict least recently used cache-only units until ``units_wanted`` are free; returns
+        the units freed."""
         freed = 0
-        while self.prefix is not None and freed < units_wanted:
-            entry = self.prefix.evict(self._is_cache_only)
+        while freed < units_wanted:
+            entry = self.cache.evict(self.units.is_cache_only)
             if entry is None:
                 break
-            self._unhold(entry[1])
-            freed += self._payload_units(entry[1])
+            self.units.unhold(entry[1])
+            freed += self.units.payload_units(entry[1])
         return freed
 
-    def reset_prefix_cache(self) -> int:
+    def reset(self) -> int:
         """Forget every cached unit (vLLM's ``reset_prefix_cache``); returns how many.
 
         The cache's own references are released: units only the cache held go back to the free
         pool, units that running requests use stay theirs, no longer shared with later requests.
         Hit statistics are kept. Benchmarks call it so that each repetition starts cold.
         """
-        if self.prefix is None:
-            return 0
-        self._quiesce()
         dropped = 0
-        while (entry := self.prefix.evict(lambda _payload: True)) is not None:
-            self._unhold(entry[1])
+        while (entry := self.cache.evict(lambda _payload: True)) is not None:
+            self.units.unhold(entry[1])
             dropped += 1
         return dropped
 
-    def _quiesce(self) -> None:
-        """Wait for background work on the manager (virtual mode's mapper); none by default."""
+    def num_evictable(self) -> int:
+        """Units that evicting every cache-only entry would free."""
+        return sum(self.units.payload_units(p) for p in self.cache.payloads()
+                   if self.units.is_cache_only(p))
 
-    def _num_evictable(self) -> int:
-        if self.prefix is None:
-            return 0
-        return sum(self._payload_units(p) for p in self.prefix.payloads()
-                   if self._is_cache_only(p))
-
-    def _cache_holds(self) -> list[object]:
-        return list(self.prefix.payloads()) if self.prefix is not None else []
+    def holds(self) -> list[object]:
+        """Every payload the cache references (one reference each)."""
+        return list(self.cache.payloads())

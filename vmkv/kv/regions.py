@@ -1,0 +1,145 @@
+"""The regions of one virtual KV cache, mapped in lockstep.
+
+    region r (one per layout tensor):  | anchor slot | slot 1 | slot 2 | ... |
+    va page p means the same slot position in every region; a growth, share or unmap at p
+    happens in all regions or in none (:meth:`RegionGroup._lockstep` is the one rollback)
+
+Each region is a :class:`~vmkv.memory.region.VirtualRegion` whose first ``anchor_pages`` pages
+are mapped to the backend's anchor page for its lifetime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from vmkv.kv.spec import VirtualLayout
+from vmkv.memory.base import MappingBudgetExceeded
+from vmkv.memory.pool import PagePool
+from vmkv.memory.region import UNMAPPED, VirtualRegion
+
+
+class RegionGroup:
+    """``layout.num_regions`` regions of ``num_va_slots`` slots each over one pool."""
+
+    def __init__(self, pool: PagePool, layout: VirtualLayout, num_va_slots: int) -> None:
+        self.pool = pool
+        self.layout = layout
+        # a pool split into one partition per region keeps each region's pages physically
+        # adjacent (long runs, few VMAs)
+        per_region = pool.partitions == layout.num_regions
+        self.regions = [
+            VirtualRegion(pool, num_va_slots * layout.slot_bytes, name=f"kv-region-{i}",
+                          partition=i if per_region else 0,
+                          anchor_pages=layout.pages_for(1))  # every view's base row
+            for i in range(layout.num_regions)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+    def __iter__(self) -> Iterator[VirtualRegion]:
+        return iter(self.regions)
+
+    def __getitem__(self, r: int) -> VirtualRegion:
+        return self.regions[r]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    # -- mapping, all regions or none -----------------------------------------------------------
+    def map_new(self, va_page: int, num: int) -> bool:
+        """Fresh pool pages at ``[va_page, va_page+num)`` of every region; False (nothing
+        changed) when the pool or the VMA budget is short."""
+        return self._lockstep(va_page, num,
+                              lambda _, region: region.map_new(va_page, num) is not None)
+
+    def map_shared(self, va_page: int, pages: Sequence[Sequence[int]]) -> bool:
+        """Map ``pages[r]`` (pages already in use) at ``va_page`` of region ``r``; False
+        (nothing changed) when the VMA budget is short."""
+        num = len(pages[0])
+
+        def share(r: int, region: VirtualRegion) -> bool:
+            region.map_shared(va_page, pages[r])
+            return True
+
+        return self._lockstep(va_page, num, share)
+
+    def _lockstep(self, va_page: int, num: int,
+                  map_one: Callable[[int, VirtualRegion], bool]) -> bool:
+        """``map_one(r, region)`` on every region; if one cannot (False or
+        MappingBudgetExceeded), unmap what the others mapped at ``[va_page, va_page+num)``."""
+        done: list[VirtualRegion] = []
+        try:
+            for r, region in enumerate(self.regions):
+                if not map_one(r, region):
+                    raise MappingBudgetExceeded("the pool ran short")
+                done.append(region)
+        except MappingBudgetExceeded:
+            for region in done:  # nothing new was read yet: no synchronize needed
+                region.unmap(va_page, num)
+            return False
+        return True
+
+    def unmap(self, va_page: int, num: int) -> None:
+        """Unmap ``num`` pages at ``va_page`` everywhere (the caller synchronized)."""
+        for region in self.regions:
+            region.unmap(va_page, num)
+
+    def copy_on_write(self, va_page: int) -> None:
+        """Give ``va_page`` a private copy of its (shared) page in every region; the pool must
+        have a free page per region."""
+        ps = self.pool.page_size
+        for region in self.regions:
+            data = region.as_bytes()[va_page * ps : (va_page + 1) * ps]
+            saved = data.clone()
+            (new_page,) = self.pool.allocate(1, None, region.partition)
+            self.pool.backend.synchronize()  # the clone (and any reader) must finish first
+            region.replace(va_page, new_page)
+            data.copy_(saved)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def pages_at(self, va_page: int) -> tuple[int, ...]:
+        """The physical page at ``va_page`` of each region."""
+        return tuple(int(r.page_at[va_page]) for r in self.regions)
+
+    def pages(self, va_page: int, num: int) -> list[list[int]]:
+        """Per region, the physical pages of ``[va_page, va_page+num)``."""
+        return [[int(p) for p in r.page_at[va_page : va_page + num]] for r in self.regions]
+
+    def byte_views(self, va_page: int, num: int) -> list[torch.Tensor]:
+        """Per region, the bytes of ``num`` pages at ``va_page`` (touch only mapped pages)."""
+        ps = self.pool.page_size
+        return [r.as_bytes()[va_page * ps : (va_page + num) * ps] for r in self.regions]
+
+    def layer_views(self, num_va_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, ``[num_va_slots, slot_tokens, kv_head, head_dim]`` K and V views."""
+        return self.layout.layer_views([r.as_bytes() for r in self.regions], num_va_slots)
+
+    # -- checks and teardown --------------------------------------------------------------------
+    def check(self, mapped: Sequence[int]) -> np.ndarray:
+        """Assert that slot ``s`` has exactly its first ``mapped[s]`` pages mapped in every
+        region, and that a page mapped twice is a share at one region and page index; returns
+        the mapping references per physical page."""
+        refs = np.zeros(self.pool.num_pages, dtype=np.int64)
+        where: dict[int, tuple[int, int]] = {}
+        for r, region in enumerate(self.regions):
+            table = region.page_at.reshape(len(mapped), self.layout.slot_pages)
+            for slot, m in enumerate(mapped):
+                assert (table[slot, :m] != UNMAPPED).all(), f"hole in slot {slot} region {r}"
+                assert (table[slot, m:] == UNMAPPED).all(), f"stray page in slot {slot}"
+                for p, page in enumerate(table[slot, :m]):
+                    # a page mapped twice must be a fork share: same region, same page index
+                    assert where.setdefault(int(page), (r, p)) == (r, p), f"page {page} aliased"
+            pages = region.page_at[region.page_at != UNMAPPED]
+            np.add.at(refs, pages, 1)
+            assert region.num_mapped == len(pages)
+        assert sum(r.num_vmas for r in self.regions) == self.pool.num_vmas
+        return refs
+
+    def close(self) -> None:
+        for region in self.regions:
+            region.close()
