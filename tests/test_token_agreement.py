@@ -46,7 +46,6 @@ def test_compare_greedy_asks_the_reference_at_the_agreed_prefix() -> None:
     assert first["near_tie"] and first["gap"] == pytest.approx(0.02)
     assert first["margin"] == pytest.approx(0.02)
     assert not second["near_tie"] and second["gap"] == pytest.approx(8.0)  # 9 vs 1
-
     assert not out["ok"]  # one clear divergence fails the comparison
 
 
