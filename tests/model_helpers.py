@@ -93,11 +93,12 @@ def prefill_logits(model: LlamaModel, kv: KVCacheManager, prompt: list[int],
 
 @torch.inference_mode()
 def hf_greedy(hf_model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate`` per prompt (no padding), EOS disabled."""
+    """transformers' greedy ``generate`` per prompt (no padding, on the model's device), EOS
+    disabled."""
     hf_model.generation_config.eos_token_id = None
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=hf_model.device)
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=max_new_tokens,
                                 pad_token_id=0)
