@@ -125,7 +125,7 @@ def save_random_model(hf_config: Any, path: Path, *, seed: int = 0,
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    # no dtype argument: older transformers (4.51) call it torch_dtype, newer ones dtype;
+    # no dtype argument: transformers < 4.56 calls it torch_dtype, later versions dtype;
     # .float() gives float32 on every version
     hf_model = AutoModelForCausalLM.from_config(hf_config).float()
     randomize_(hf_model, seed, scale)
