@@ -161,7 +161,7 @@ def triton_unmapped_base(res: Result) -> None:
 
 def main(res: Result) -> None:
     backend = memory_backend(8, PAGE)
-    round_trip(res, backend)
+    guard(res, "VMM round trip", lambda: round_trip(res, backend))
     held = backend.file_bytes() if ON_CPU else sum(h is not None for h in backend._handles)
     res.check("every page released", held == 0, held=held)
     guard(res, "reserve 4 TiB", lambda: big_reservation(res, backend))

@@ -84,8 +84,9 @@ def measure_point(kv, attn, model, mode: str, batch: int, ctx: int) -> dict:  # 
                 t = time.monotonic()
                 graphs.capture()
                 row["capture_s"] = time.monotonic() - t
+                ones = [1] * batch  # input ids
                 row["graph_ms"] = time_ms(
-                    lambda: model.compute_logits(graphs.run(rids, ctx_lens, qlens, ctx_lens)),
+                    lambda: model.compute_logits(graphs.run(rids, ctx_lens, ones, ctx_lens)),
                     warmup=2, iters=5)["median_ms"]
     finally:
         for rid in rids:
