@@ -39,6 +39,8 @@ DEFAULT_BUDGET_S = 420.0
 
 @dataclass
 class Step:
+    """One step: its command, timeout, and when it runs."""
+
     name: str
     cmd: list[str]
     timeout: float
@@ -66,7 +68,7 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
              budget_margin=15),
         Step("s5_bench_cli", script("s5_bench_cli"), 150, "vmkv bench throughput / kernels",
              optional=True, min_time=60, budget_margin=15),
-        Step("s8_pytest", pytest_command(py), 120, "pytest -m gpu", optional=True,
+        Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)
                                 else "skipped: cpu dry run" if ON_CPU else None)),
         Step("s9_sanitize", [sanitizer or "compute-sanitizer", "--tool", "memcheck",
@@ -84,15 +86,12 @@ def imports(py: str, module: str, env: dict[str, str]) -> bool:
                           capture_output=True).returncode == 0
 
 
-def pytest_command(py: str) -> list[str]:
+def pytest_command(py: str, env: dict[str, str]) -> list[str]:
+    """``pytest -m gpu`` over tests/ (with a per-test timeout where pytest-timeout imports)."""
     cmd = [py, "-m", "pytest", "-m", "gpu", "-q", "--tb=short", "-p", "no:cacheprovider",
            "--continue-on-collection-errors", "-rfEs", str(ROOT / "tests")]
-    try:
-        import pytest_timeout  # noqa: F401
-
+    if imports(py, "pytest_timeout", env):
         cmd += ["--timeout", "120"]
-    except ImportError:
-        pass
     return cmd
 
 
