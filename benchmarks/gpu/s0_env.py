@@ -91,7 +91,9 @@ def main(res: Result) -> None:
         for key in CUDA_FACTS:
             res.record(key, NA_CPU)
         return
-    res.headline = cuda_facts(res) + ", " + res.headline
+    head = guard(res, "CUDA facts", lambda: cuda_facts(res))
+    if head is not None:
+        res.headline = head + ", " + res.headline
 
 
 if __name__ == "__main__":
