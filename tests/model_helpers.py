@@ -93,11 +93,12 @@ def prefill_logits(model: LlamaModel, kv: KVCacheManager, prompt: list[int],
 
 @torch.inference_mode()
 def hf_greedy(hf_model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate`` per prompt (no padding), EOS disabled."""
+    """transformers' greedy ``generate`` per prompt (no padding, on the model's device), EOS
+    disabled."""
     hf_model.generation_config.eos_token_id = None
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=hf_model.device)
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=max_new_tokens,
                                 pad_token_id=0)
@@ -105,25 +106,29 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]], max_new_tokens: int) -> l
     return outputs
 
 
-def randomize_(hf_model: torch.nn.Module, seed: int) -> None:
+def randomize_(hf_model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
     """Random values in every weight, including norms (around 1) and biases (HF inits them to
-    1 and 0, which would hide a missing norm or bias)."""
+    1 and 0, which would hide a missing norm or bias): ``N(0, scale)``, norms ``1 + N(0,
+    scale)``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.2 * noise)
+            p.copy_(1 + scale * noise if "norm" in name else scale * noise)
 
 
 def save_random_model(hf_config: Any, path: Path, *, seed: int = 0,
-                      max_shard_size: str | None = None) -> Any:
-    """Build a random-weight HF model from ``hf_config``, save it (safetensors) to ``path`` and
-    return it in eval mode as the reference."""
+                      max_shard_size: str | None = None, scale: float = 0.2) -> Any:
+    """Build a random-weight float32 HF model from ``hf_config`` (weights as in
+    :func:`randomize_`), save it (safetensors) to ``path`` and return it in eval mode as the
+    reference."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    randomize_(hf_model, seed)
+    # no dtype argument: transformers < 4.56 calls it torch_dtype, later versions dtype;
+    # .float() gives float32 on every version
+    hf_model = AutoModelForCausalLM.from_config(hf_config).float()
+    randomize_(hf_model, seed, scale)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     hf_model.save_pretrained(path, **kwargs)
     return hf_model.eval()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check (~7 minutes on the H200): bash benchmarks/gpu/check.sh [--steps s3,s4] [--budget 450]
+# The GPU check (<= 420 s of steps on the H200): bash benchmarks/gpu/check.sh [--steps s3,s4] [--budget 420]
+# Dry run on CPU: VMKV_CHECK_DEVICE=cpu bash benchmarks/gpu/check.sh
 # Runs from the source tree (PYTHONPATH=.), installs nothing, writes to $OUT if set.
 set -u
 cd "$(dirname "$0")/../.."

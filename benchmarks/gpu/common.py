@@ -4,6 +4,11 @@ A step calls :func:`run_step` with its ``main(res)``; ``res.check(name, ok, **da
 pass/fail item and ``res.data[...]`` free-form numbers. The JSON is rewritten after every record,
 so a step killed by its timeout or by a sticky CUDA error (700, illegal address) still leaves
 what it had measured. Exit code: 0 all checks passed, 1 a check failed, 2 an exception.
+
+``VMKV_CHECK_DEVICE=cpu`` is the dry run: the same steps on the host memory backend, CPU
+kernels and the Triton interpreter, at tiny shapes; facts only a GPU has are recorded as
+:data:`NA_CPU`. ``VMKV_STEP_BUDGET`` (set by check.py from the step's timeout) is the seconds a
+step with a time budget may spend before it stops starting new work.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("VMKV_CHECK_WORK", "/tmp/vmkv-gpu-check"))  # models, builds
+DEVICE = os.environ.get("VMKV_CHECK_DEVICE", "cuda")
+ON_CPU = DEVICE == "cpu"
+NA_CPU = "n/a on cpu"
 
 
 class Result:
@@ -112,25 +120,66 @@ def guard(res: Result, name: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
-def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> dict[str, float]:
-    """Median / min milliseconds of ``fn`` by CUDA events (each call timed alone)."""
+def time_ms(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, inner: int = 1
+            ) -> dict[str, float]:
+    """Median / min milliseconds per call of ``fn``; each of ``iters`` samples times ``inner``
+    back-to-back calls (CUDA events on the GPU, ``perf_counter`` on a CPU dry run)."""
     import statistics
-
-    import torch
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
+        if ON_CPU:
+            t = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t) * 1e3 / inner)
+            continue
+        import torch
+
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def sync() -> None:
+    """Wait for the device (nothing to wait for on a CPU dry run)."""
+    if not ON_CPU:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def step_budget(default: float) -> float:
+    """This step's time budget in seconds (``VMKV_STEP_BUDGET``, else ``default``)."""
+    return float(os.environ.get("VMKV_STEP_BUDGET", default))
+
+
+def tests_on_path() -> None:
+    """Make ``tests/``'s pytest-free helpers importable (attention_scenarios, model_helpers...)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
+def memory_backend(max_pages: int, host_page_size: int = 64 << 10) -> Any:
+    """The check's memory backend: CUDA VMM (2 MiB pages), or on a CPU dry run the host
+    backend (mmap + memfd) with ``host_page_size`` pages."""
+    if ON_CPU:
+        from vmkv.memory.host import HostMemoryBackend
+
+        return HostMemoryBackend(host_page_size, max_pages)
+    from vmkv.memory.cuda import CudaMemoryBackend
+
+    return CudaMemoryBackend(None, max_pages)
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -140,7 +189,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     def copy_ms() -> float:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        return cuda_time_ms(lambda: dst.copy_(src), warmup=2, iters=5)["min_ms"]
+        return time_ms(lambda: dst.copy_(src), warmup=2, iters=5)["min_ms"]
 
     t = copy_ms()
     torch.cuda.empty_cache()
@@ -173,6 +222,9 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                  bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"])
+#: Llama-3.2-1B's shapes (head_dim 64), untied lm_head: 1.5 G parameters, a 3 GB bf16 checkpoint
+LLAMA32_1B = {**LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192,
+              "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": False}
 
 
 def save_word_tokenizer(path: Path, vocab_size: int) -> None:

@@ -1,41 +1,46 @@
-"""Step 0: facts about the machine (versions, driver, granularity, copy bandwidth)."""
+"""Step 0: facts about the machine: versions, toolchain (pytest, C compiler, Python.h, nvcc,
+ninja, compute-sanitizer), a real one-element Triton launch, driver, granularity, copy
+bandwidth. A CPU dry run records the CUDA facts as "n/a on cpu"."""
 
 from __future__ import annotations
 
 import platform
-import shutil
-import subprocess
 
-from common import Result, copy_bandwidth, run_step
+from common import DEVICE, NA_CPU, ON_CPU, Result, copy_bandwidth, guard, run_step
+from toolchain import command_output, module_version, toolchain_facts
+
+MODULES = ("torch", "triton", "transformers", "numpy", "cupy", "flash_attn", "cuda.bindings",
+           "safetensors", "tokenizers")
+CUDA_FACTS = ("nvidia_smi", "nvidia_smi_query", "device", "mem_get_info_gib", "cuInit",
+              "granularity", "d2d_copy_bandwidth_tb_s")
 
 
-def _cmd(args: list[str], timeout: float = 15) -> str:
+def triton_launch(res: Result) -> None:
+    """One element written by a real Triton kernel (its launcher is compiled here first)."""
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-        return (proc.stdout + proc.stderr).strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unavailable: {exc}"
-
-
-def main(res: Result) -> None:
-    res.record("nvidia_smi", _cmd(["nvidia-smi"]))
-    res.record("nvidia_smi_query", _cmd(["nvidia-smi", "--query-gpu=name,driver_version,"
-                                         "memory.total,memory.used,clocks.sm,clocks.mem",
-                                         "--format=csv"]))
-    res.record("nvcc", _cmd(["nvcc", "--version"]).splitlines()[-2:])
-    res.record("tools", {t: shutil.which(t) for t in ("nvcc", "compute-sanitizer", "ncu")})
-    versions = {"python": platform.python_version()}
-    for mod in ("torch", "triton", "transformers", "numpy", "cupy", "flash_attn",
-                "cuda.bindings", "safetensors", "tokenizers"):
-        try:
-            m = __import__(mod, fromlist=["_"])
-            versions[mod] = getattr(m, "__version__", "present")
-        except Exception as exc:  # noqa: BLE001
-            versions[mod] = f"absent ({type(exc).__name__})"
-    res.record("versions", versions)
-
+        import triton_probe
+    except Exception as exc:  # noqa: BLE001 - no triton, or a broken one: a fact
+        res.record("triton_launch", {"result": f"import failed: {type(exc).__name__}: {exc}"})
+        return
     import torch
 
+    t = torch.zeros(4, device=DEVICE)
+    result = triton_probe.outcome(lambda: triton_probe.store_one(t, 2, 7.0))
+    if result == "ok":
+        result = "ok" if t.tolist() == [0.0, 0.0, 7.0, 0.0] else f"wrong result {t.tolist()}"
+    res.record("triton_launch", {"mode": triton_probe.mode(), "result": result})
+    res.check("one-element Triton launch", result == "ok", mode=triton_probe.mode(),
+              result=result[:300])
+
+
+def cuda_facts(res: Result) -> str:
+    """Driver, device, VMM granularity, copy bandwidth; returns the headline."""
+    import torch
+
+    res.record("nvidia_smi", command_output(["nvidia-smi"]))
+    res.record("nvidia_smi_query", command_output([
+        "nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,"
+        "clocks.mem", "--format=csv"]))
     res.check("torch sees CUDA", torch.cuda.is_available(), cuda=torch.version.cuda)
     props = torch.cuda.get_device_properties(0)
     res.record("device", {"name": props.name, "sm": f"{props.major}.{props.minor}",
@@ -44,17 +49,10 @@ def main(res: Result) -> None:
     free, total = torch.cuda.mem_get_info()
     res.record("mem_get_info_gib", [free / 2**30, total / 2**30])
 
-    from vmkv.attention.cuda_common import aten_flash_kwargs, flash_attn_module
-
-    kwargs = sorted(aten_flash_kwargs())
-    res.record("aten_flash_attention_forward_kwargs", kwargs)
-    res.check("aten._flash_attention_forward takes scale + seqused_k",
-              {"scale", "seqused_k"} <= set(kwargs), kwargs=kwargs)
-    res.record("flash_attn_installed", flash_attn_module() is not None)
-
     from cuda.bindings import driver as cu
 
     err, = cu.cuInit(0)
+    res.record("cuInit", getattr(err, "name", str(err)))
     res.check("cuInit", err == cu.CUresult.CUDA_SUCCESS, result=getattr(err, "name", err))
     from vmkv.memory.cuda import CudaMemoryBackend
 
@@ -69,8 +67,33 @@ def main(res: Result) -> None:
     res.check("granularity is 2 MiB", backend.granularity == 2 << 20, bytes=backend.granularity)
     bw = copy_bandwidth(2 << 30)
     res.record("d2d_copy_bandwidth_tb_s", bw / 1e12)
-    res.headline = (f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                    f"gran {backend.granularity >> 20} MiB, copy {bw / 1e12:.2f} TB/s")
+    return (f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"gran {backend.granularity >> 20} MiB, copy {bw / 1e12:.2f} TB/s")
+
+
+def main(res: Result) -> None:
+    res.record("versions", {"python": platform.python_version(),
+                            **{m: module_version(m) for m in MODULES}})
+    facts = toolchain_facts()
+    res.record("toolchain", facts)
+    res.headline = (f"pytest {facts['pytest']}, cc {facts['cc']['path']}, "
+                    f"Python.h {facts['python_h']['exists']}")
+    guard(res, "one-element Triton launch", lambda: triton_launch(res))
+
+    from vmkv.attention.cuda_common import aten_flash_kwargs, flash_attn_module
+
+    kwargs = sorted(aten_flash_kwargs())  # the op's schema: readable without a GPU
+    res.record("aten_flash_attention_forward_kwargs", kwargs)
+    res.check("aten._flash_attention_forward takes scale + seqused_k",
+              {"scale", "seqused_k"} <= set(kwargs), kwargs=kwargs)
+    res.record("flash_attn_installed", flash_attn_module() is not None)
+    if ON_CPU:
+        for key in CUDA_FACTS:
+            res.record(key, NA_CPU)
+        return
+    head = guard(res, "CUDA facts", lambda: cuda_facts(res))
+    if head is not None:
+        res.headline = head + ", " + res.headline
 
 
 if __name__ == "__main__":

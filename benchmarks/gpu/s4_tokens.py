@@ -2,54 +2,82 @@
 the whole engine (scheduler, VMM pages, background mapper, graphs) on a random-weight Llama.
 
 The GPU machine has no gguf, so there is no default model: a small Llama config (GQA, head_dim
-32) is built with transformers, randomised (norms and biases too) and saved with
+32) is built with transformers, randomised (norms and biases too, N(0, 0.05)) and saved with
 save_pretrained together with a word-level tokenizer, then loaded by vmkv from that folder.
 
 float32 must match transformers exactly (as on CPU). bfloat16 kernels differ in accumulation
-order, so bf16 equality is reported per pair; vmkv's bf16 variants are expected to agree.
+order, so bf16 comparisons pass equal outputs and near-tie flips only: at the first divergent
+position transformers (float32 compute over the same bf16 weights) must rate both picks within
+NEAR_TIE logits of its best (tests/token_agreement.py; the tolerance is justified in
+docs/gpu.md). Every variant's tokens and comparisons are recorded as soon as it has run.
 ``VMKV_CHECK_DEVICE=cpu`` runs the same code on CPU (dry run of this script).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
-import sys
+from typing import Any
 
-from common import ROOT, WORK, Result, guard, run_step, save_word_tokenizer, tiny_llama_config
+from common import (
+    DEVICE,
+    ON_CPU,
+    WORK,
+    Result,
+    guard,
+    run_step,
+    save_word_tokenizer,
+    sync,
+    tests_on_path,
+    tiny_llama_config,
+)
 
-sys.path.insert(0, str(ROOT / "tests"))
-DEVICE = os.environ.get("VMKV_CHECK_DEVICE", "cuda")
+tests_on_path()
 NEW_TOKENS = 32
+WEIGHT_SCALE = 0.05  # bf16 noise well below the tolerance (docs/gpu.md, "Near-tie tolerance")
+NEAR_TIE = 0.1  # logits
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, object]:
-    """Whole-sequence matches and the first divergence of each prompt."""
-    first = []
-    for x, y in zip(a, b, strict=True):
-        diff = [i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q]
-        first.append(diff[0] if diff else None)
-    return {"equal": sum(f is None for f in first), "of": len(a), "first_divergence": first}
+class Comparer:
+    """Records each run's tokens and compares them with a reference run right away."""
 
+    def __init__(self, res: Result, hf32: Any, prompts: list[list[int]]) -> None:
+        import torch
 
-def hf_greedy(hf_model, prompts: list[list[int]], n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    import torch
+        self.res, self.prompts, self.runs = res, prompts, {}
+        self.logit_models = {"fp32": hf32,
+                             "bf16": copy.deepcopy(hf32).to(torch.bfloat16).float()}
 
-    hf_model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=DEVICE)
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=n, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
-    return outs
+    def add(self, name: str, toks: list[list[int]]) -> None:
+        self.runs[name] = toks
+        self.res.record("tokens", self.runs)
+
+    def next_logits(self, dtype_name: str, prompt: int, prefix: list[int]) -> Any:
+        """Reference next-token logits after prompt ``prompt`` + ``prefix``."""
+        import torch
+
+        ids = torch.tensor([self.prompts[prompt] + prefix], device=DEVICE)
+        with torch.inference_mode():
+            return self.logit_models[dtype_name](ids).logits[0, -1].float().cpu()
+
+    def compare(self, name: str, ref: str) -> None:
+        """``name`` vs ``ref``: exact for float32, near-tie flips pass for bfloat16."""
+        from token_agreement import compare_greedy
+
+        if name not in self.runs or ref not in self.runs:
+            return
+        dtype_name = "fp32" if "/fp32" in name else "bf16"
+        tol = None if dtype_name == "fp32" else NEAR_TIE
+        out = compare_greedy(self.runs[name], self.runs[ref],
+                             functools.partial(self.next_logits, dtype_name), tol)
+        rule = "exact" if tol is None else f"near-tie flips (gap <= {tol}) pass"
+        self.res.check(f"{name} == {ref} ({rule})", out.pop("ok"), **out)
 
 
 def vmkv_greedy(model, dtype, mode: str, kernel: str | None, prompts, *, chunk=None,  # type: ignore[no-untyped-def]
                 graphs: bool = False) -> list[list[int]]:
     import model_helpers as mh
-    import torch
 
     from vmkv.config import CacheConfig
     from vmkv.kv import create_kv_cache
@@ -66,8 +94,7 @@ def vmkv_greedy(model, dtype, mode: str, kernel: str | None, prompts, *, chunk=N
             return mh.greedy_generate(model, kv, prompts, NEW_TOKENS, prefill_chunk=chunk)
         return graph_greedy(model, kv, prompts)
     finally:
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
+        sync()
         kv.close()
 
 
@@ -108,9 +135,12 @@ def graph_greedy(model, kv, prompts) -> list[list[int]]:  # type: ignore[no-unty
     return [t[len(p):] for t, p in zip(toks, prompts, strict=True)]
 
 
-def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyped-def]
+                  ) -> tuple[list[list[int]], list[list[int]]]:
     """The whole engine on CUDA: scheduler, VMM pages, background mapper and decode graphs (the
-    engine builds the last two itself on CUDA; on a CPU dry run it has neither)."""
+    engine builds the last two itself on CUDA; on a CPU dry run it has neither). The prompts
+    run twice: prefix caching is on by default, so the second run hits the cached pages/blocks
+    (virtual: cached physical pages mapped at a second slot's VA). Returns both runs' tokens."""
     os.environ.pop("VMKV_ATTENTION_BACKEND", None)
     from vmkv.llm import LLM
     from vmkv.sampling_params import SamplingParams
@@ -120,20 +150,18 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
               max_num_batched_tokens=512)  # prefill all at once
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    toks = [list(o.outputs[0].token_ids) for o in outs]
-    # prefix caching is on by default: the same prompts again hit the cached pages/blocks
-    # (virtual: the cached physical pages mapped at a second slot's VA) and give the same tokens
-    # (a unit must lie wholly inside a prompt: a 2 MiB page holds 2,048 tokens of this tiny
-    # model in the all-layers layout, so virtual mode can only show no hit and equal tokens)
+    runs = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                 use_tqdm=False)]]
+    # a unit must lie wholly inside a prompt: a 2 MiB page holds 2,048 tokens of this tiny
+    # model in the all-layers layout, so virtual mode can only show no hit there
     unit_tokens = engine.kv._unit_span(0)[1]
     expect_hits = max(len(p) for p in prompts) - 1 >= unit_tokens
     again = llm.generate(prompts, params, use_tqdm=False)
+    runs.append([list(o.outputs[0].token_ids) for o in again])
     hits = sum(o.num_cached_tokens for o in again)
     res.check(f"engine/{mode}: the same prompts again, prefix caching on: "
-              + ("cache hits, same tokens" if expect_hits else "no whole unit, same tokens"),
-              (hits > 0) == expect_hits and [list(o.outputs[0].token_ids) for o in again] == toks,
-              cached_tokens=hits, unit_tokens=unit_tokens)
+              + ("cache hits" if expect_hits else "no whole unit, no hit"),
+              (hits > 0) == expect_hits, cached_tokens=hits, unit_tokens=unit_tokens)
     info: dict[str, object] = {}
     if engine.mapper is not None:
         info["mapper"] = engine.mapper.stats.as_dict()
@@ -142,38 +170,43 @@ def engine_tokens(path, mode: str, prompts, res: Result) -> list[list[int]]:  # 
     res.record(f"engine_{mode}", info)
     engine.kv.check()
     llm.engine.close()
-    return toks
+    return runs[0], runs[1]
 
 
-def run_dtype(res: Result, path, dtype_name: str, dtype, prompts, runs: dict) -> None:  # type: ignore[no-untyped-def]
-    """Every vmkv variant of one dtype (one model load)."""
+def run_dtype(res: Result, cmp: Comparer, path, dtype_name: str, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Every vmkv variant of one dtype (one model load), compared as soon as it has run."""
     import torch
 
     from vmkv.models import load_model
 
     model, _ = load_model(path, dtype, DEVICE)
     variants: list[tuple[str, str | None]] = [("virtual", None), ("paged", None)]
-    if DEVICE == "cuda" and dtype == torch.bfloat16:
+    with_graphs = not ON_CPU and dtype == torch.bfloat16
+    if with_graphs:
         variants = [("virtual", "aten-flash"), ("virtual", "triton"), ("paged", "triton")]
+    hf = f"hf/{dtype_name}"
+    first = f"{variants[0][0]}/{variants[0][1] or 'auto'}/{dtype_name}"
+
+    def run(name: str, *args: Any, **kwargs: Any) -> None:
+        toks = guard(res, name, functools.partial(vmkv_greedy, model, dtype, *args,
+                                                  cmp.prompts, **kwargs))
+        if toks is not None:
+            cmp.add(name, toks)
+
     for mode, kernel in variants:
         name = f"{mode}/{kernel or 'auto'}/{dtype_name}"
-        toks = guard(res, name, functools.partial(vmkv_greedy, model, dtype, mode, kernel,
-                                                  prompts))
-        if toks is not None:
-            runs[name] = toks
-        if DEVICE == "cuda" and dtype == torch.bfloat16:
-            gname = name + "/graphs"
-            toks = guard(res, gname, functools.partial(vmkv_greedy, model, dtype, mode, kernel,
-                                                       prompts, graphs=True))
-            if toks is not None:
-                runs[gname] = toks
-                res.check(f"{gname} == eager", toks == runs.get(name),
-                          **agreement(toks, runs.get(name, toks)))
+        run(name, mode, kernel)
+        cmp.compare(name, hf)
+        if name != first and dtype_name == "bf16":
+            cmp.compare(name, first)  # vmkv's bf16 variants agree
+        if with_graphs:
+            run(name + "/graphs", mode, kernel, graphs=True)
+            cmp.compare(name + "/graphs", name)
     name = f"virtual/chunked7/{dtype_name}"
-    toks = guard(res, name, functools.partial(vmkv_greedy, model, dtype, "virtual", None,
-                                              prompts, chunk=7))
-    if toks is not None:
-        runs[name] = toks
+    run(name, "virtual", None, chunk=7)
+    cmp.compare(name, hf)
+    if dtype_name == "bf16":
+        cmp.compare(name, first)
 
 
 def main(res: Result) -> None:
@@ -183,41 +216,32 @@ def main(res: Result) -> None:
     torch.manual_seed(0)
     path = WORK / "tiny-llama"
     hf_cfg = tiny_llama_config()
-    hf = mh.save_random_model(hf_cfg, path, seed=0)
+    hf = mh.save_random_model(hf_cfg, path, seed=0, scale=WEIGHT_SCALE).to(DEVICE)
     save_word_tokenizer(path, hf_cfg.vocab_size)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, hf_cfg.vocab_size, (n,), generator=gen).tolist()
                for n in (3, 17, 40, 61)]
-    runs: dict[str, list[list[int]]] = {}
-    runs["hf/fp32"] = hf_greedy(hf.to(DEVICE), prompts, NEW_TOKENS)
-    runs["hf/bf16"] = hf_greedy(hf.to(torch.bfloat16), prompts, NEW_TOKENS)
-    del hf
+    cmp = Comparer(res, hf, prompts)
+    cmp.add("hf/fp32", mh.hf_greedy(hf, prompts, NEW_TOKENS))
+    cmp.add("hf/bf16", mh.hf_greedy(copy.deepcopy(hf).to(torch.bfloat16), prompts, NEW_TOKENS))
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        run_dtype(res, path, dtype_name, dtype, prompts, runs)
-        if DEVICE == "cuda":
+        run_dtype(res, cmp, path, dtype_name, dtype)
+        if not ON_CPU:
             torch.cuda.empty_cache()
-    for name, toks in runs.items():
-        if name.startswith("hf"):
-            continue
-        ref = runs["hf/fp32"] if name.endswith("fp32") else runs["hf/bf16"]
-        agree = agreement(toks, ref)
-        strict = name.endswith("fp32")
-        res.check(f"{name} == transformers" + (" (strict)" if strict else " (bf16: reported)"),
-                  toks == ref or not strict, **agree)
-    bf16 = [n for n in runs if n.endswith("bf16") and not n.startswith("hf")]
-    for n in bf16[1:]:
-        res.check(f"{n} == {bf16[0]} (vmkv bf16 variants agree)", runs[n] == runs[bf16[0]],
-                  **agreement(runs[n], runs[bf16[0]]))
     for mode in ("virtual", "paged"):
-        toks = guard(res, f"engine/{mode}", functools.partial(engine_tokens, path, mode,
+        name = f"engine/{mode}/bf16"
+        both = guard(res, f"engine/{mode}", functools.partial(engine_tokens, path, mode,
                                                               prompts, res))
-        if toks is not None:
-            ref = runs.get(f"{mode}/auto/bf16") or runs.get(
-                "virtual/aten-flash/bf16" if mode == "virtual" else "paged/triton/bf16")
-            res.check(f"engine/{mode}/bf16 == greedy loop", toks == ref,
-                      **agreement(toks, ref or toks))
-    res.record("tokens", runs)
-    res.headline = f"{sum(c['ok'] for c in res.checks)}/{len(res.checks)} token checks"
+        if both is not None:
+            cmp.add(name, both[0])
+            cmp.add(name + "/again", both[1])
+            cmp.compare(name + "/again", name)  # a prefix-cache hit changes nothing
+            loop = [n for n in cmp.runs if n.startswith(f"{mode}/") and n.endswith("/bf16")]
+            if loop:
+                cmp.compare(name, loop[0])  # the engine = the greedy loop
+    flips = sum(c.get("near_tie_flips", 0) for c in res.checks)
+    res.headline = (f"{sum(c['ok'] for c in res.checks)}/{len(res.checks)} token checks, "
+                    f"{flips} near-tie flips")
 
 
 if __name__ == "__main__":

@@ -5,34 +5,42 @@ Each point (batch B, context C) holds B requests of C tokens (allocated round-ro
 at a time, so paged blocks interleave as when requests grow together; the KV contents are
 whatever the memory held: timing does not depend on them) and times one decode step: B new
 tokens at position C-1, written to the same row every time (steady state at context C).
+Virtual and paged are measured point by point, and each point's paged/virtual ratio is
+recorded as soon as both exist, so a timeout keeps every finished point.
 
     roofline = (weights read + B * C * bytes/token of KV) / measured copy bandwidth
 
-Weights are made on the GPU (no disk). ``VMKV_CHECK_DEVICE=cpu`` runs a tiny version on CPU
-(dry run of this script). Points stop early when the step's time budget runs out.
+Memory: weights ~15 GiB plus both caches sized for the largest point (2 x 32 GiB at 128 KiB of
+KV per token), ~80 GiB in all; free memory is recorded after every point. Weights are made on
+the GPU (no disk). ``VMKV_CHECK_DEVICE=cpu`` runs a tiny version on CPU (eager timings only).
+Points stop when the step's time budget runs out; the most informative come first.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import time
+from typing import Any
 
 from common import (
+    DEVICE,
     LLAMA3_8B,
+    ON_CPU,
     Result,
     copy_bandwidth,
-    cuda_time_ms,
     guard,
     random_vmkv_model,
     run_step,
+    step_budget,
+    time_ms,
     tiny_llama_config,
 )
 
-DEVICE = os.environ.get("VMKV_CHECK_DEVICE", "cuda")
-BUDGET_S = float(os.environ.get("VMKV_STEP_BUDGET", "100"))
-POINTS = [(1, 16384), (16, 16384), (32, 8192), (64, 4096), (128, 2048), (256, 1024),
+BUDGET_S = step_budget(60)
+#: KV-bound points first (32 GiB of KV each: where translation cost shows), then the extremes
+POINTS = [(32, 8192), (128, 2048), (1, 16384), (256, 1024), (16, 16384), (64, 4096),
           (256, 2048)]
-if DEVICE == "cpu":
+if ON_CPU:
     POINTS = [(1, 64), (4, 32)]
 
 
@@ -44,8 +52,8 @@ def fill(kv, rids: list[str], ctx: int, chunk: int = 16) -> None:  # type: ignor
 
 
 def measure_point(kv, attn, model, mode: str, batch: int, ctx: int) -> dict:  # type: ignore[no-untyped-def]
-    """Fill ``batch`` requests of ``ctx`` tokens, time one decode step eagerly and as a CUDA
-    graph, free the requests."""
+    """Fill ``batch`` requests of ``ctx`` tokens, time one decode step eagerly and (on CUDA)
+    as a CUDA graph, free the requests."""
     import torch
 
     from vmkv.engine.cuda_graphs import DecodeGraphRunner
@@ -63,32 +71,31 @@ def measure_point(kv, attn, model, mode: str, batch: int, ctx: int) -> dict:  # 
         meta = attn.prepare(rids, ctx_lens, qlens)
         return model.compute_logits(model.forward(ids, pos, attn, meta))
 
-    with torch.inference_mode():
-        t = time.perf_counter()
-        for _ in range(20):
-            attn.prepare(rids, ctx_lens, qlens)
-        row["prepare_host_ms"] = (time.perf_counter() - t) / 20 * 1e3
-        if DEVICE == "cuda":
-            row["eager_ms"] = cuda_time_ms(eager, warmup=2, iters=5)["median_ms"]
-            graphs = DecodeGraphRunner(model, attn, max_batch_size=batch, batch_sizes=[batch])
-            t = time.monotonic()
-            graphs.capture()
-            row["capture_s"] = time.monotonic() - t
-            ones = [1] * batch
-            row["graph_ms"] = cuda_time_ms(
-                lambda: model.compute_logits(graphs.run(rids, ctx_lens, ones, ctx_lens)),
-                warmup=2, iters=5)["median_ms"]
-        else:
+    try:
+        with torch.inference_mode():
             t = time.perf_counter()
-            eager()
-            row["eager_ms"] = (time.perf_counter() - t) * 1e3
-    for rid in rids:
-        kv.free(rid)
+            for _ in range(20):
+                attn.prepare(rids, ctx_lens, qlens)
+            row["prepare_host_ms"] = (time.perf_counter() - t) / 20 * 1e3
+            row["eager_ms"] = time_ms(eager, warmup=2, iters=1 if ON_CPU else 5)["median_ms"]
+            if not ON_CPU:
+                graphs = DecodeGraphRunner(model, attn, max_batch_size=batch,
+                                           batch_sizes=[batch])
+                t = time.monotonic()
+                graphs.capture()
+                row["capture_s"] = time.monotonic() - t
+                ones = [1] * batch  # input ids
+                row["graph_ms"] = time_ms(
+                    lambda: model.compute_logits(graphs.run(rids, ctx_lens, ones, ctx_lens)),
+                    warmup=2, iters=5)["median_ms"]
+    finally:
+        for rid in rids:
+            kv.free(rid)
     return row
 
 
-def measure(res: Result, model, mcfg, mode: str, bw: float, weight_read: int,  # type: ignore[no-untyped-def]
-            deadline: float) -> list[dict]:
+def build_caches(res: Result, mcfg: Any) -> dict[str, tuple[Any, Any]]:
+    """One KV cache + attention backend per mode, sized for the largest point."""
     import torch
 
     from vmkv.attention import create_attention_backend
@@ -96,41 +103,25 @@ def measure(res: Result, model, mcfg, mode: str, bw: float, weight_read: int,  #
     from vmkv.kv import create_kv_cache
 
     spec = mcfg.kv_spec(torch.bfloat16)
-    most = max(b * c for b, c in POINTS)
-    budget = most * spec.bytes_per_token + 64 * (2 << 20)
-    max_len = max(c for _, c in POINTS) + 16
-    t0 = time.monotonic()
-    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=budget, block_size=16),
-                         spec, num_slots=max(b for b, _ in POINTS), max_model_len=max_len,
-                         device=DEVICE)
-    attn = create_attention_backend(kv)
-    res.record(f"{mode}_setup", {"kernel": getattr(attn, "kernel", attn.name),
-                                 "kv_build_s": time.monotonic() - t0})
-    rows = []
-    for batch, ctx in POINTS:
-        if time.monotonic() > deadline:
-            rows.append({"mode": mode, "batch": batch, "context": ctx, "skipped": "budget"})
-            continue
-        row = measure_point(kv, attn, model, mode, batch, ctx)
-        kv_bytes = batch * ctx * spec.bytes_per_token
-        roof_ms = (weight_read + kv_bytes) / bw * 1e3
-        row.update(kv_gib=kv_bytes / 2**30, roofline_ms=roof_ms,
-                   eager_vs_roofline=row["eager_ms"] / roof_ms)
-        if "graph_ms" in row:
-            row["graph_vs_roofline"] = row["graph_ms"] / roof_ms
-        rows.append(row)
-        res.record(f"{mode}_rows", rows)
-        print(f"[s6_decode] {mode} B={batch} ctx={ctx}: eager {row['eager_ms']:.2f} ms, graph "
-              f"{row.get('graph_ms', float('nan')):.2f} ms, roofline {roof_ms:.2f} ms",
-              flush=True)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    if hasattr(kv, "backend"):
-        res.record(f"{mode}_vmm_ops", kv.backend.stats.as_dict())
-    kv.close()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    return rows
+    budget = max(b * c for b, c in POINTS) * spec.bytes_per_token + 64 * (2 << 20)
+    out = {}
+    for mode in ("virtual", "paged"):
+        t0 = time.monotonic()
+        kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=budget, block_size=16),
+                             spec, num_slots=max(b for b, _ in POINTS),
+                             max_model_len=max(c for _, c in POINTS) + 16, device=DEVICE)
+        attn = create_attention_backend(kv)
+        out[mode] = (kv, attn)
+        res.record(f"{mode}_setup", {"kernel": getattr(attn, "kernel", attn.name),
+                                     "kv_build_s": time.monotonic() - t0,
+                                     "kv_budget_gib": budget / 2**30})
+    return out
+
+
+def free_gib() -> float | str:
+    import torch
+
+    return "n/a on cpu" if ON_CPU else torch.cuda.mem_get_info()[0] / 2**30
 
 
 def main(res: Result) -> None:
@@ -138,35 +129,55 @@ def main(res: Result) -> None:
     import transformers
 
     start = time.monotonic()
-    bw = copy_bandwidth(4 << 30) if DEVICE == "cuda" else 50e9
+    deadline = start + BUDGET_S
+    bw = 50e9 if ON_CPU else copy_bandwidth(4 << 30)
     res.record("copy_bandwidth_tb_s", bw / 1e12)
-    hf_cfg = (transformers.LlamaConfig(**LLAMA3_8B) if DEVICE == "cuda"
-              else tiny_llama_config())
+    hf_cfg = tiny_llama_config() if ON_CPU else transformers.LlamaConfig(**LLAMA3_8B)
     t = time.monotonic()
     model, mcfg = random_vmkv_model(hf_cfg, torch.bfloat16, DEVICE)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     weight_read = total - embed.numel() * embed.element_size()  # decode reads B rows of it
+    bytes_per_token = mcfg.kv_spec(torch.bfloat16).bytes_per_token
     res.record("model", {"params_gib": total / 2**30, "build_s": time.monotonic() - t,
-                         "bytes_per_token_kv": mcfg.kv_spec(torch.bfloat16).bytes_per_token})
-    deadline = start + BUDGET_S
-    by_mode: dict[str, list[dict]] = {}
-    for i, mode in enumerate(("virtual", "paged")):
-        # leave the paged mode its share of the remaining budget
-        mode_deadline = deadline if i else start + (BUDGET_S + (time.monotonic() - start)) / 2
-        rows = guard(res, f"decode/{mode}", lambda m=mode, d=mode_deadline: measure(
-            res, model, mcfg, m, bw, weight_read, d))
-        by_mode[mode] = rows or []
-    done = {(r["batch"], r["context"]): r for r in by_mode["virtual"] if "eager_ms" in r}
-    ratios = []
-    for r in by_mode["paged"]:
-        v = done.get((r["batch"], r["context"]))
-        if v is None or "eager_ms" not in r:
+                         "bytes_per_token_kv": bytes_per_token})
+    caches = build_caches(res, mcfg)
+    rows: list[dict] = []
+    ratios: list[dict] = []
+    for batch, ctx in POINTS:
+        if time.monotonic() > deadline:
+            rows.append({"batch": batch, "context": ctx, "skipped": "budget"})
+            res.record("rows", rows)
             continue
-        key = "graph_ms" if "graph_ms" in r and "graph_ms" in v else "eager_ms"
-        ratios.append({"batch": r["batch"], "context": r["context"], "timing": key,
-                       "paged_over_virtual": r[key] / v[key]})
-    res.record("paged_over_virtual", ratios)
+        roof_ms = (weight_read + batch * ctx * bytes_per_token) / bw * 1e3
+        point = {}
+        for mode, (kv, attn) in caches.items():
+            row = guard(res, f"decode/{mode} B={batch} ctx={ctx}", functools.partial(
+                measure_point, kv, attn, model, mode, batch, ctx))
+            if row is None:
+                continue
+            row.update(roofline_ms=roof_ms, eager_vs_roofline=row["eager_ms"] / roof_ms,
+                       free_gib=free_gib())
+            if "graph_ms" in row:
+                row["graph_vs_roofline"] = row["graph_ms"] / roof_ms
+            point[mode] = row
+            rows.append(row)
+            res.record("rows", rows)
+            print(f"[s6_decode] {mode} B={batch} ctx={ctx}: eager {row['eager_ms']:.2f} ms, "
+                  f"graph {row.get('graph_ms', float('nan')):.2f} ms, roofline {roof_ms:.2f} ms",
+                  flush=True)
+            if not ON_CPU:
+                torch.cuda.empty_cache()
+        if len(point) == 2:
+            v, p = point["virtual"], point["paged"]
+            key = "graph_ms" if "graph_ms" in v and "graph_ms" in p else "eager_ms"
+            ratios.append({"batch": batch, "context": ctx, "timing": key,
+                           "paged_over_virtual": p[key] / v[key]})
+            res.record("paged_over_virtual", ratios)
+    for mode, (kv, _) in caches.items():
+        if hasattr(kv, "backend"):
+            res.record(f"{mode}_vmm_ops", kv.backend.stats.as_dict())
+        kv.close()
     res.check("decode steps ran in both modes", bool(ratios), points=len(ratios))
     if ratios:
         best = min(ratios, key=lambda x: x["paged_over_virtual"])

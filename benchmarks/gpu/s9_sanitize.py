@@ -7,24 +7,22 @@ request's length. memcheck reports any access to unmapped VA (an over-read) as a
 
 from __future__ import annotations
 
-import sys
+from common import Result, guard, run_step, tests_on_path
 
-from common import ROOT, Result, guard, run_step
-
-sys.path.insert(0, str(ROOT / "tests"))
+tests_on_path()
 
 
 def main(res: Result) -> None:
-    import test_attention_cuda as ta
+    import attention_scenarios as sc
     import torch
 
     from vmkv.attention.virtual_cuda import VirtualCudaBackend
 
     for kernel in ("aten-flash", "triton"):
         def scenario(kernel: str = kernel) -> None:
-            kv = ta.cuda_virtual(torch.bfloat16)
+            kv = sc.cuda_virtual(torch.bfloat16)
             attn = VirtualCudaBackend(kv, kernel)
-            errors, _ = ta.run_scenario(kv, attn, ta.gpu_steps(kv), tol=1e-2)
+            errors, _ = sc.run_scenario(kv, attn, sc.boundary_steps(kv), tol=1e-2)
             torch.cuda.synchronize()
             res.check(f"{kernel} under memcheck", max(errors) < 1e-2, max_rel_err=max(errors))
             kv.close()
