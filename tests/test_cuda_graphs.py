@@ -19,6 +19,7 @@ import torch
 from attention_scenarios import run_child  # sets TRITON_INTERPRET without CUDA
 from graph_scenarios import (
     ReplayByRerun,
+    eager,
     gpu_paged_replay,
     gpu_virtual_replay,
     tiny_model,
@@ -132,7 +133,7 @@ class CaptureFails:
 def test_a_failed_capture_logs_its_cause_and_leaves_steps_eager(
         caplog: pytest.LogCaptureFixture) -> None:
     model, cfg = tiny_model(torch.float16, "cpu")
-    kv, attn = _virtual_setup("aten-flash", cfg)
+    kv, attn = virtual_setup("aten-flash", cfg)
     mapper = BackgroundMapper(kv.backend)
     # a CUDA model as far as the factory looks (its device); the forward runs on the CPU
     cuda_model = SimpleNamespace(device=torch.device("cuda"), forward=model.forward)

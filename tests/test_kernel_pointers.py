@@ -39,6 +39,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when Triton kernels are decorated (import)
 
+from attention_scenarios import run_child  # noqa: E402
 from fake_cuda_driver import FakeDriver, SimulatedCudaBackend, triton_pointer_guard  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -50,7 +51,6 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
     run_state_machine_as_test,
 )
-from test_attention_cuda import run_child  # noqa: E402
 from triton_required import needs_triton  # noqa: E402
 
 from vmkv.attention.kv_store import (  # noqa: E402
@@ -217,7 +217,7 @@ def _run_machine(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["all-layers", "per-layer"])
 def test_any_op_sequence_keeps_kernel_bases_mapped(layout: str) -> None:
-    proc = run_child("_run_machine", layout, module="test_kernel_pointers")
+    proc = run_child("test_kernel_pointers", "_run_machine", layout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
@@ -226,7 +226,7 @@ def test_any_op_sequence_keeps_kernel_bases_mapped(layout: str) -> None:
 def test_a_real_triton_step_with_slot_zero_idle(layout: str) -> None:
     """The real Triton K/V store and decode/prefill twins, launched through the seam with the
     driver's pointer check, on a fresh cache and after the first request's pages are gone."""
-    proc = run_child("_triton_step", layout, module="test_kernel_pointers")
+    proc = run_child("test_kernel_pointers", "_triton_step", layout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 

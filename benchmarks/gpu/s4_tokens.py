@@ -154,7 +154,7 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
                                                                  use_tqdm=False)]]
     # a unit must lie wholly inside a prompt: a 2 MiB page holds 2,048 tokens of this tiny
     # model in the all-layers layout, so virtual mode can only show no hit there
-    unit_tokens = engine.kv._unit_span(0)[1]
+    unit_tokens = engine.kv.prefix.units.unit_span(0)[1]
     expect_hits = max(len(p) for p in prompts) - 1 >= unit_tokens
     again = llm.generate(prompts, params, use_tqdm=False)
     runs.append([list(o.outputs[0].token_ids) for o in again])
