@@ -14,13 +14,12 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import ServerConfig, build_app
 from vmkv import LLM, SamplingParams
 from vmkv.bench.launch import free_port
-from vmkv.config import CacheConfig
+from vmkv.config import EngineConfig, ServerConfig
 from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.server.app import build_app
 
 pytestmark = pytest.mark.usefixtures("default_model")
 MODEL = "smol"
@@ -57,7 +56,7 @@ def start(engine: AsyncEngine, **config: object) -> Running:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[AsyncEngine]:
     llm = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=40,
-                                 cache=CacheConfig(enable_prefix_caching=True)))
+                                 enable_prefix_caching=True))
     eng = AsyncEngine(llm)
     yield eng
     eng.shutdown()

@@ -100,7 +100,7 @@ def measure(res: Result, model, mcfg, mode: str, bw: float, weight_read: int,  #
     budget = most * spec.bytes_per_token + 64 * (2 << 20)
     max_len = max(c for _, c in POINTS) + 16
     t0 = time.monotonic()
-    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=budget, block_size=16),
+    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_memory=budget, block_size=16),
                          spec, num_slots=max(b for b, _ in POINTS), max_model_len=max_len,
                          device=DEVICE)
     attn = create_attention_backend(kv)

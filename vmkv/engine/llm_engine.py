@@ -10,14 +10,14 @@ Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its o
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from vmkv import envs
 from vmkv.attention import create_attention_backend
-from vmkv.engine.config import EngineConfig
+from vmkv.config import EngineConfig
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.model_runner import ModelRunner
@@ -75,7 +75,7 @@ class LLMEngine:
         # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
         self.mapper: BackgroundMapper | None = None
         if (isinstance(self.kv, VirtualKVCache) and self.kv.device.type == "cuda"
-                and os.environ.get("VMKV_BACKGROUND_MAPPER", "1") != "0"):
+                and envs.background_mapper()):
             self.mapper = BackgroundMapper(self.kv.backend)
             self.kv.attach_mapper(self.mapper)
         # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
