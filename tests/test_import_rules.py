@@ -21,8 +21,8 @@ def _imports(path: Path) -> list[tuple[str, str | None]]:
                 found.extend((alias.name, function) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 found.append((child.module, function))
-            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else None
-            visit(child, inner or function)
+            is_function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            visit(child, child.name if is_function else function)
 
     visit(ast.parse(path.read_text()), None)
     return found
