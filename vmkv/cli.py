@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from vmkv import envs
 from vmkv.config_args import (
     add_engine_args,
+    add_model_arg,
     add_server_args,
     engine_config,
     parse_size,
@@ -192,7 +193,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("throughput", conflict_handler="resolve",
                          help="offline throughput, all requests at once (vLLM's bench throughput)")
-    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2)")
+    add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--kv-mode", choices=["virtual", "paged", "both"], default="virtual",
                    help="both: build both engines, run them alternately, print virtual/paged")
@@ -255,7 +256,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_kernels)
 
     p = bench.add_parser("startup", help="process start to first token, in fresh processes")
-    p.add_argument("--model", default=None)
+    add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH")
@@ -301,14 +302,13 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    add_model_arg(p, positional=True)
     add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
-    p.add_argument("--model", default=None)
+    add_model_arg(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=64)

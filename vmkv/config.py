@@ -109,7 +109,7 @@ class EngineConfig:
     meaning is its Option's help (``vmkv serve --help`` prints them)."""
 
     model: str | None = option(
-        None, "HF model folder or .gguf file; None: the default model (SmolLM2-135M-Instruct)",
+        None, "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)",
         flag=False)
     tokenizer: str | None = option(
         None, "tokenizer folder when it differs from the model's", flag=False)

@@ -65,6 +65,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, EngineConfig)
 
 
+def add_model_arg(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """``EngineConfig.model`` as the command's optional positional argument, or ``--model``."""
+    help_text = field_option(EngineConfig.__dataclass_fields__["model"]).help
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, help=help_text)
+    else:
+        parser.add_argument("--model", default=None, help=help_text)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine options describe (ValueError for impossible values);
     ``args.model``, when the command has one, is the model."""

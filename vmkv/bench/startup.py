@@ -26,12 +26,12 @@ t = {"start": time.time()}
 import argparse
 from vmkv.process_tuning import tune_process
 tune_process()
-from vmkv.config_args import add_engine_args, engine_config
+from vmkv.config_args import add_engine_args, add_model_arg, engine_config
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.sampling_params import SamplingParams
 t["imports"] = time.time()
 p = argparse.ArgumentParser()
-p.add_argument("--model", default=None)
+add_model_arg(p)
 add_engine_args(p)
 engine = LLMEngine(engine_config(p.parse_args(sys.argv[1:])))
 t["engine"] = time.time()
