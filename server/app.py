@@ -27,6 +27,7 @@ from vmkv.chat_template import NoChatTemplateError, chat_token_ids
 from vmkv.config import ServerConfig
 from vmkv.engine.async_engine import AsyncEngine, RequestStream
 from vmkv.engine.outputs import RequestOutput
+from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
 from vmkv.sampling_params import SamplingParams
 from vmkv.server import responses as R
 from vmkv.server.errors import APIError, error_response, install_error_handlers
@@ -87,8 +88,6 @@ class _ApiKey:
 
 def served_name(model: str | None) -> str:
     """The name a model is served under when none is given: its folder's (or file's) name."""
-    from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
-
     return DEFAULT_MODEL if is_default_name(model) else Path(model).name
 
 

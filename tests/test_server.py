@@ -19,7 +19,7 @@ from vmkv.bench.launch import free_port
 from vmkv.config import EngineConfig, ServerConfig
 from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.server.app import build_app
+from vmkv.server.app import build_app, served_name
 
 pytestmark = pytest.mark.usefixtures("default_model")
 MODEL = "smol"
@@ -102,6 +102,11 @@ def test_models_health_version(srv: Running, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{srv.url}/health").status_code == 200
     assert httpx.get(f"{srv.url}/version").json()["version"]
+
+
+def test_the_model_is_served_under_its_name_unless_one_is_given(engine: AsyncEngine) -> None:
+    assert build_app(engine, ServerConfig()).state.metrics.model_name == "SmolLM2-135M-Instruct"
+    assert served_name("/models/Llama-3.2-1B") == "Llama-3.2-1B"
 
 
 def test_greedy_completion_equals_the_offline_api(client: openai.OpenAI) -> None:
