@@ -18,7 +18,7 @@ PROMPT_LENS = {"A": 20, "B": 12, "C": 30}
 
 def main() -> None:
     spec = KVSpec(1, 1, 4)
-    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_bytes=6 * 16 * 32, block_size=16),
+    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_memory=6 * 16 * 32, block_size=16),
                          spec, num_slots=4, max_model_len=512)
     assert isinstance(kv, PagedKVCache)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=24)

@@ -13,7 +13,8 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,28 +23,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vmkv
-from server import responses as R
-from server.errors import APIError, error_response, install_error_handlers
-from server.metrics import Metrics, take_snapshot
-from server.protocol import (
+from vmkv.chat_template import NoChatTemplateError, chat_token_ids
+from vmkv.config import ServerConfig
+from vmkv.engine.async_engine import AsyncEngine, RequestStream
+from vmkv.engine.outputs import RequestOutput
+from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
+from vmkv.sampling_params import SamplingParams
+from vmkv.server import responses as R
+from vmkv.server.errors import APIError, error_response, install_error_handlers
+from vmkv.server.metrics import Metrics, take_snapshot
+from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from vmkv.engine.async_engine import AsyncEngine, RequestStream
-from vmkv.engine.outputs import RequestOutput
-from vmkv.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP-side settings (the engine has its own :class:`~vmkv.engine.config.EngineConfig`)."""
-
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 4 << 20
-    max_n: int = 16
 
 
 class _BodyLimit:
@@ -92,8 +86,16 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
+def served_name(model: str | None) -> str:
+    """The name a model is served under when none is given: its folder's (or file's) name."""
+    return DEFAULT_MODEL if is_default_name(model) else Path(model).name
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """The FastAPI application; ``engine`` must already run."""
+    """The FastAPI application; ``engine`` must already run. Without a
+    ``config.served_model_name`` the model is served under :func:`served_name`."""
+    if config.served_model_name is None:
+        config = replace(config, served_model_name=served_name(engine.engine.config.model))
     app = FastAPI(title="vmkv", version=vmkv.__version__)
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
@@ -186,11 +188,10 @@ class _Api:
             raise APIError(400, f"n must be in 1..{self.config.max_n}, got {n}", "n")
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt)
-        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+        try:
+            return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+        except NoChatTemplateError as exc:
+            raise APIError(400, f"{exc}; use /v1/completions") from None
 
     # -- submit / collect ---------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,

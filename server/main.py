@@ -4,36 +4,32 @@ from __future__ import annotations
 
 import logging
 
-from server.app import ServerConfig, build_app
+from vmkv.config import EngineConfig, ServerConfig
 from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.process_tuning import tune_process
+from vmkv.server.app import build_app
 
 logger = logging.getLogger("vmkv.server")
 
 
-def _default_name(model: str | None) -> str:
-    from pathlib import Path
+def serve(engine_config: EngineConfig, server_config: ServerConfig | None = None, *,
+          log_level: str = "info") -> None:
+    """Tune the process, load the model, start the engine loop and serve until interrupted.
 
-    from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
-
-    return DEFAULT_MODEL if is_default_name(model) else Path(model).name
-
-
-def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, served_model_name: str | None = None,
-          max_body_bytes: int = 4 << 20, log_level: str = "info") -> None:
-    """Load the model, start the engine loop and serve until interrupted."""
+    OpenMP settings reach torch only if this process has not imported torch yet (``vmkv
+    serve`` tunes first thing; see vmkv/process_tuning.py)."""
     import uvicorn
 
+    tune_process()
+    config = server_config or ServerConfig()
     engine = LLMEngine(engine_config)
-    name = served_model_name or _default_name(engine_config.model)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, ServerConfig(served_model_name=name, api_key=api_key,
-                                               max_body_bytes=max_body_bytes))
-    logger.info("serving %s on http://%s:%d", name, host, port)
+    app = build_app(async_engine, config)
+    logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, config.host,
+                config.port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level)
     finally:
         async_engine.shutdown()
         engine.close()

@@ -23,7 +23,7 @@ def make_kv(cfg: ModelConfig, kv_mode: str, layout: str = "all-layers", *, num_s
     spec = cfg.kv_spec(dtype)
     budget = num_slots * max_model_len * spec.bytes_per_token
     slack = 2 * num_slots * 2 * spec.num_layers * (64 << 10)  # two 64 KiB pages per region
-    config = CacheConfig(kv_mode=kv_mode, kv_cache_bytes=budget + slack, layout=layout,
+    config = CacheConfig(kv_mode=kv_mode, kv_cache_memory=budget + slack, kv_layout=layout,
                          block_size=16)
     return create_kv_cache(config, spec, num_slots=num_slots, max_model_len=max_model_len)
 

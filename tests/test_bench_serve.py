@@ -15,26 +15,20 @@ from vmkv.bench import serve, serve_metrics
 from vmkv.bench.serve_metrics import RequestResult
 from vmkv.bench.workloads import WorkloadSpec, for_tokenizer
 from vmkv.cli import main
+from vmkv.config import EngineConfig
 from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
 def server(default_model: Path) -> Iterator[tuple[str, LLMEngine]]:
-    llm = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=8, cache=_small_cache()))
+    llm = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=8, kv_cache_memory=64 << 20))
     engine = AsyncEngine(llm)
     running = start(engine)  # serves the model as "smol"
     yield running.url, llm
     running.stop()
     engine.shutdown()
     llm.close()
-
-
-def _small_cache():  # noqa: ANN202
-    from vmkv.config import CacheConfig
-
-    return CacheConfig(kv_cache_bytes=64 << 20)
 
 
 def _requests(llm: LLMEngine, n: int = 4) -> list:

@@ -22,7 +22,7 @@ def test_engine_argv_reproduces_non_default_engine_options() -> None:
     import argparse
 
     from vmkv.bench.common import engine_argv
-    from vmkv.cli import add_engine_args
+    from vmkv.config_args import add_engine_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -175,10 +175,10 @@ def test_usage_is_exact() -> None:
     ("config", "match"),
     [
         (dict(kv_mode="virtuel"), "kv_mode must be one of"),
-        (dict(layout="rows"), "layout must be one of"),
+        (dict(kv_layout="rows"), "layout must be one of"),
         (dict(page_size=5000), "page_size must be a positive multiple of the OS page.*5000"),
-        (dict(kv_cache_bytes=PAGE - 1, page_size=PAGE), "holds fewer than one page"),
-        (dict(kv_mode="paged", kv_cache_bytes=100), "holds no block"),
+        (dict(kv_cache_memory=PAGE - 1, page_size=PAGE), "holds fewer than one page"),
+        (dict(kv_mode="paged", kv_cache_memory=100), "holds no block"),
         (dict(block_size=0), "block_size must be positive, got 0"),
     ],
 )

@@ -154,7 +154,7 @@ def test_500_random_requests_with_shared_prefixes_evictions_and_aborts(mode: str
     """KV content is checked before every step (MarkerRunner): a wrongly shared or corrupted
     unit fails. Tight memory forces evictions; random aborts; nothing leaks."""
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64)  # 512 B per token: 8 per page
-    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=600 * 512, page_size=4096,
+    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_memory=600 * 512, page_size=4096,
                                      block_size=16, enable_prefix_caching=True),
                          spec, num_slots=8, max_model_len=512)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)

@@ -65,8 +65,8 @@ class MarkerRunner:
 
 def run_all(kv_mode: str, kv_bytes: int, preemption: str, prompts: list[list[int]],
             max_tokens: int, budget: int = 64, max_num_seqs: int = 8):
-    kv = create_kv_cache(CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_bytes,
-                                     page_size=4096, layout="all-layers"), SPEC,
+    kv = create_kv_cache(CacheConfig(kv_mode=kv_mode, kv_cache_memory=kv_bytes,
+                                     page_size=4096, kv_layout="all-layers"), SPEC,
                          num_slots=max_num_seqs,
                          max_model_len=512)
     sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -118,7 +118,7 @@ def test_preemption_keeps_outputs_identical(kv_mode: str, preemption: str) -> No
 
 
 def test_chunked_prefill_fills_the_budget_and_decodes_first() -> None:
-    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_bytes=1 << 20), SPEC,
+    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_memory=1 << 20), SPEC,
                          num_slots=4, max_model_len=512)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16)
     req = Request("a", [1] * 40, SamplingParams(), 16)
@@ -142,7 +142,7 @@ def test_chunked_prefill_fills_the_budget_and_decodes_first() -> None:
 
 
 def test_a_prompt_that_can_never_fit_finishes_instead_of_looping() -> None:
-    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_bytes=64 * 32), SPEC,
+    kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_memory=64 * 32), SPEC,
                          num_slots=2, max_model_len=512)  # 64 tokens of room
     sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=256)
     seq = Sequence("big", Request("big", [1] * 100, SamplingParams(), 4), 0, [1] * 100, 100,

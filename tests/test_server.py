@@ -14,13 +14,12 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import ServerConfig, build_app
 from vmkv import LLM, SamplingParams
 from vmkv.bench.launch import free_port
-from vmkv.config import CacheConfig
+from vmkv.config import EngineConfig, ServerConfig
 from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.server.app import build_app, served_name
 
 pytestmark = pytest.mark.usefixtures("default_model")
 MODEL = "smol"
@@ -57,7 +56,7 @@ def start(engine: AsyncEngine, **config: object) -> Running:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[AsyncEngine]:
     llm = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=40,
-                                 cache=CacheConfig(enable_prefix_caching=True)))
+                                 enable_prefix_caching=True))
     eng = AsyncEngine(llm)
     yield eng
     eng.shutdown()
@@ -103,6 +102,11 @@ def test_models_health_version(srv: Running, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{srv.url}/health").status_code == 200
     assert httpx.get(f"{srv.url}/version").json()["version"]
+
+
+def test_the_model_is_served_under_its_name_unless_one_is_given(engine: AsyncEngine) -> None:
+    assert build_app(engine, ServerConfig()).state.metrics.model_name == "SmolLM2-135M-Instruct"
+    assert served_name("/models/Llama-3.2-1B") == "Llama-3.2-1B"
 
 
 def test_greedy_completion_equals_the_offline_api(client: openai.OpenAI) -> None:

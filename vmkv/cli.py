@@ -7,11 +7,19 @@ Each command lives in its own small function; heavy imports happen inside them s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 
-from vmkv.config import KV_MODES, LAYOUTS, LINEAR_BACKENDS
+from vmkv import envs
+from vmkv.config_args import (
+    add_engine_args,
+    add_model_arg,
+    add_server_args,
+    engine_config,
+    parse_size,
+    server_config,
+)
+from vmkv.process_tuning import tune_process
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -21,17 +29,6 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
-
-
-def _size(text: str) -> int:
-    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G'."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 64K or 2M, got {text!r}"
                                          ) from None
 
 
@@ -177,7 +174,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=_int_list, default=list(SEED_LENGTHS))
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--page-sizes", type=lambda s: [_size(x) for x in s.split(",")],
+    p.add_argument("--page-sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
                    default=[64 << 10, 2 << 20], help="virtual page sizes, e.g. 64K,2M")
     p.add_argument("--layers", type=int, default=SMOLLM2_135M[0])
     p.add_argument("--kv-heads", type=int, default=SMOLLM2_135M[1])
@@ -187,7 +184,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_memory)
 
     p = bench.add_parser("vmm", help="map/unmap latency per page")
-    p.add_argument("--page-sizes", type=lambda s: [_size(x) for x in s.split(",")],
+    p.add_argument("--page-sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
                    default=[4 << 10, 64 << 10, 2 << 20])
     p.add_argument("--devices", type=lambda s: s.split(","), default=["cpu", "cuda"],
                    help="backends to measure; unavailable ones are reported and skipped")
@@ -196,7 +193,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("throughput", conflict_handler="resolve",
                          help="offline throughput, all requests at once (vLLM's bench throughput)")
-    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2)")
+    add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--kv-mode", choices=["virtual", "paged", "both"], default="virtual",
                    help="both: build both engines, run them alternately, print virtual/paged")
@@ -221,7 +218,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="model name in the requests (default: the server's first model)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--api-key", default=os.environ.get("VMKV_API_KEY"))
+    p.add_argument("--api-key", default=envs.api_key())
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for the prompts' vocabulary (default: vmkv's model)")
     p.add_argument("--request-rate", type=_rates, default=[float("inf")],
@@ -259,60 +256,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_kernels)
 
     p = bench.add_parser("startup", help="process start to first token, in fresh processes")
-    p.add_argument("--model", default=None)
+    add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_bench_startup)
-
-
-# -- engine options shared by serve / generate / bench ---------------------------------------------
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-mode", choices=KV_MODES, default="virtual")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=_size, default=1 << 30,
-                   help="physical KV budget, e.g. 1G (default) or 512M")
-    p.add_argument("--page-size", type=_size, default=None,
-                   help="virtual page size (default: 16K per-layer / 64K all-layers on CPU, "
-                        "the driver granularity on CUDA)")
-    p.add_argument("--kv-layout", choices=LAYOUTS, default=None,
-                   help="virtual layout (default: per-layer on CPU, all-layers on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="paged mode tokens per block")
-    p.add_argument("--premap-pages", type=int, default=0)
-    p.add_argument("--max-idle-memory", type=_size, default=None,
-                   help="KV memory kept for reuse when idle; beyond it, memory is returned")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="share the KV of common prefixes across requests "
-                   "(on by default, as in vLLM; --no-enable-prefix-caching turns it off)")
-    p.add_argument("--prefix-cache-hash", choices=["sha256", "builtin"], default="sha256")
-    p.add_argument("--linear-backend", choices=LINEAR_BACKENDS, default="auto",
-                   help="CPU float32 linears: oneDNN with packed weights (auto) or F.linear")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def engine_config(args: argparse.Namespace):  # -> EngineConfig
-    """The EngineConfig the engine options describe (ValueError for impossible values)."""
-    from vmkv.config import CacheConfig
-    from vmkv.engine.config import EngineConfig
-
-    cache = CacheConfig(kv_mode=args.kv_mode, kv_cache_bytes=args.kv_cache_memory,
-                        page_size=args.page_size, layout=args.kv_layout,
-                        block_size=args.block_size, premap_pages=args.premap_pages,
-                        max_idle_bytes=args.max_idle_memory,
-                        precreate=not args.device.startswith("cpu"),
-                        enable_prefix_caching=args.enable_prefix_caching,
-                        prefix_cache_hash=args.prefix_cache_hash)
-    return EngineConfig(model=getattr(args, "model", None), device=args.device,
-                        dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        preemption_mode=args.preemption_mode, cache=cache, seed=args.seed,
-                        linear_backend=args.linear_backend)
 
 
 # -- serve / generate / model ---------------------------------------------------------------------
@@ -322,12 +270,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
     config = engine_config(args)
-    # NOTE: the only place vmkv/ reaches into server/ (lazily): the engine never needs the
+    # NOTE: the only import of vmkv.server in vmkv/ (lazy): the engine never needs the
     # server's dependencies (fastapi, uvicorn, pydantic).
-    from server.main import serve
+    from vmkv.server.main import serve
 
-    serve(config, host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    serve(config, server_config(args))
     return 0
 
 
@@ -355,18 +302,13 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("VMKV_API_KEY"))
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-body-bytes", type=_size, default=4 << 20)
+    add_model_arg(p, positional=True)
+    add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="complete one prompt and print the text")
-    p.add_argument("--model", default=None)
+    add_model_arg(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -390,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tune_process()  # first: before any command loads torch (VMKV_PROCESS_TUNING=0: off)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

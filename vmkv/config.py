@@ -1,72 +1,226 @@
-"""Frozen configuration objects; derived run-time values are computed, never written back."""
+"""The configuration: one frozen :class:`EngineConfig`, and the HTTP side's :class:`ServerConfig`.
+
+Every setting is declared once, here, as a field with its default and an :class:`Option` (help,
+allowed values, smallest value) in the field's metadata. Everything else derives from them:
+
+- ``LLM(model, **kwargs)`` takes exactly EngineConfig's field names (TypeError for others);
+- the command line's flags are generated from the fields (``vmkv/config_args.py``):
+  ``kv_cache_memory`` is ``--kv-cache-memory``, ``enable_prefix_caching`` is
+  ``--enable-prefix-caching / --no-enable-prefix-caching``;
+- ``vmkv serve`` hands the server the EngineConfig it built, and a ServerConfig;
+- :class:`CacheConfig` is the KV managers' view of the cache fields (``EngineConfig.cache``): the
+  same names, EngineConfig's defaults and checks.
+
+Values are checked at construction (ValueError naming the field and the value); derived
+run-time values (pool sizes, the page size a backend picks) are computed at start-up and never
+written back. This module imports nothing heavy: the CLI builds its parser from it before torch
+loads.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-LAYOUTS = ("all-layers", "per-layer")
+from vmkv import envs
 
 KV_MODES = ("virtual", "paged")
+LAYOUTS = ("all-layers", "per-layer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap")
+PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
 def default_layout(device: str) -> str:
-    """The virtual layout used when none is asked for (see :class:`CacheConfig`)."""
+    """The virtual layout used when none is asked for (see ``EngineConfig.kv_layout``)."""
     return "per-layer" if device == "cpu" else "all-layers"
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """How KV memory is organised.
+class Option:
+    """How a config field is described and checked, and whether it is a command-line flag.
 
     Attributes:
-        kv_mode: "virtual" (contiguous slots, pages mapped on demand) or "paged" (block tables).
-        kv_cache_bytes: physical KV budget in bytes (pages or blocks together).
-        page_size: virtual mode page size in bytes; None picks the default for the device and
-            layout (host: 16 KiB per-layer, 64 KiB all-layers; CUDA: the driver granularity,
-            2 MiB on Hopper).
-        layout: virtual layout, "all-layers" or "per-layer"; None picks per-layer on the CPU
-            (token rows stay contiguous per layer: the all-layers layout puts every token of a
-            layer on its own 4 KiB page and decode attention becomes TLB-bound at long
-            contexts, see docs/benchmarks.md) and all-layers on CUDA (small effective pages
-            from 2 MiB granules).
-        block_size: paged mode tokens per block.
-        premap_pages: virtual mode pages mapped ahead of need per growth (when free).
-        max_idle_bytes: memory kept for reuse when no request needs it (deferred slots and idle
-            pool pages each); beyond it, memory goes back to the OS/driver. None keeps all.
-        precreate: create every physical page at start-up (CUDA: the hot path only maps).
-        enable_prefix_caching: share KV of common prefixes across requests (pages or blocks);
-            on by default (its overhead at a 0 % hit rate measured ~1 %, docs/benchmarks.md).
-        prefix_cache_hash: "sha256" (default; collision-safe across tenants) or "builtin".
+        help: what the field means (the flag's help text).
+        choices: the allowed values, if they are a fixed set.
+        minimum: the smallest allowed value of an int field.
+        size: a size in bytes; the command line also takes 64K, 2M, 1G.
+        flag: offered as ``--field-name`` (False: the commands add it their own way, or not).
+        env: the environment variable the command line's default comes from.
     """
 
-    kv_mode: str = "virtual"
-    kv_cache_bytes: int = 1 << 30
-    page_size: int | None = None
-    layout: str | None = None
-    block_size: int = 16
-    premap_pages: int = 0
-    max_idle_bytes: int | None = None
-    precreate: bool = False
-    enable_prefix_caching: bool = True
-    prefix_cache_hash: str = "sha256"
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None
+    size: bool = False
+    flag: bool = True
+    env: envs.EnvVar | None = None
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with ``default`` and an :class:`Option` in its metadata."""
+    return field(default=default, metadata={"option": Option(help, **kwargs)})
+
+
+def field_option(f: Any) -> Option | None:
+    """The :class:`Option` of a dataclass field, or None for a plain field."""
+    return f.metadata.get("option")
+
+
+def check_options(config: Any) -> None:
+    """ValueError naming the first field of ``config`` whose value its Option refuses.
+
+    None is allowed exactly where the default is None."""
+    for f in fields(config):
+        opt, value = field_option(f), getattr(config, f.name)
+        if opt is None or (value is None and f.default is None):
+            continue
+        if value is None:
+            raise ValueError(f"{f.name} must be set (default {f.default!r}), got None")
+        if opt.choices is not None and value not in opt.choices:
+            raise ValueError(f"{f.name} must be one of {opt.choices}, got {value!r}")
+        if opt.minimum is not None and value < opt.minimum:
+            bound = "positive" if opt.minimum == 1 else f">= {opt.minimum}"
+            raise ValueError(f"{f.name} must be {bound}, got {value}")
+
+
+def check_names(cls: type, names: Iterable[str], caller: str) -> None:
+    """TypeError naming every one of ``names`` that is not a field of the dataclass ``cls``
+    (with the closest field names), so a misspelt option never passes silently."""
+    known = [f.name for f in fields(cls)]
+    unknown = [name for name in names if name not in known]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{caller} got unknown option(s) {', '.join(hints)}; the options are "
+                    f"{cls.__name__}'s fields: {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything :class:`~vmkv.engine.llm_engine.LLMEngine` needs to start; each field's
+    meaning is its Option's help (``vmkv serve --help`` prints them)."""
+
+    model: str | None = option(
+        None, "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)",
+        flag=False)
+    tokenizer: str | None = option(
+        None, "tokenizer folder when it differs from the model's", flag=False)
+    kv_mode: str = option(
+        "virtual", "virtual: contiguous slots, pages mapped on demand; paged: block tables",
+        choices=KV_MODES)
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option(
+        "auto", "weights and KV dtype; auto: float32 on CPU (these CPUs have no fast bf16), "
+        "bfloat16 on CUDA", choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "longest prompt + output; default: the model's limit", minimum=1)
+    max_num_seqs: int = option(
+        64, "most sequences running at once (also the number of virtual slots)", minimum=1)
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one step (chunked prefill fills it)", minimum=1)
+    kv_cache_memory: int = option(
+        1 << 30, "physical KV budget in bytes, pages or blocks together: e.g. 1G (default) or "
+        "512M", minimum=1, size=True)
+    page_size: int | None = option(
+        None, "virtual page size in bytes; default: 16K per-layer / 64K all-layers on CPU, the "
+        "driver granularity on CUDA (2M on Hopper)", minimum=1, size=True)
+    kv_layout: str | None = option(
+        None, "virtual layout; default: per-layer on CPU (token rows stay contiguous per layer; "
+        "all-layers makes long-context decode TLB-bound there), all-layers on CUDA (small "
+        "effective pages from 2 MiB granules)", choices=LAYOUTS)
+    block_size: int = option(16, "paged mode tokens per block", minimum=1)
+    premap_pages: int = option(
+        0, "virtual mode pages mapped ahead of need per growth (when free)", minimum=0)
+    max_idle_memory: int | None = option(
+        None, "KV memory kept for reuse when idle (deferred slots and idle pool pages each); "
+        "beyond it, memory is returned to the OS/driver; default: keep all", minimum=0,
+        size=True)
+    preemption_mode: str = option(
+        "recompute", "what a preempted request loses: recompute (its KV, rebuilt later) or "
+        "swap (copied to host memory)", choices=PREEMPTION_MODES)
+    enable_prefix_caching: bool = option(
+        True, "share the KV of common prefixes across requests (on by default, as in vLLM; "
+        "~1 % overhead at a 0 % hit rate)")
+    prefix_cache_hash: str = option(
+        "sha256", "prefix hash: sha256 (collision-safe across tenants) or builtin",
+        choices=PREFIX_CACHE_HASHES)
+    linear_backend: str = option(
+        "auto", "CPU float32 linears: auto/onednn (oneDNN with packed weights) or torch "
+        "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+    seed: int = option(0, "seed of the shared generator for unseeded sampling")
 
     def __post_init__(self) -> None:
-        if self.kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
-        if self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if self.page_size is not None and self.page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.premap_pages < 0:
-            raise ValueError(f"premap_pages must be >= 0, got {self.premap_pages}")
-        if self.prefix_cache_hash not in ("sha256", "builtin"):
-            raise ValueError(f"prefix_cache_hash must be 'sha256' or 'builtin', "
-                             f"got {self.prefix_cache_hash!r}")
-        if self.max_idle_bytes is not None and self.max_idle_bytes < 0:
-            raise ValueError(f"max_idle_bytes must be >= 0 or None, got {self.max_idle_bytes}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check_options(self)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def cache(self) -> CacheConfig:
+        """The KV managers' view; every physical page is created at start-up on CUDA."""
+        shared = {f.name: getattr(self, f.name) for f in fields(CacheConfig)
+                  if f.name in self.__dataclass_fields__}
+        return CacheConfig(**shared, precreate=self.device != "cpu")
+
+
+def _engine_field(name: str) -> Any:
+    """A field with EngineConfig's default and Option for ``name``."""
+    f = EngineConfig.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How KV memory is organised: the KV managers' view of :class:`EngineConfig`.
+
+    Built by ``EngineConfig.cache`` in the engine; tests and benchmarks build one directly.
+    Defaults and checks are EngineConfig's. ``precreate`` (create every physical page at
+    start-up, so the hot path only maps) is derived from the device, not a user setting.
+    """
+
+    kv_mode: str = _engine_field("kv_mode")
+    kv_cache_memory: int = _engine_field("kv_cache_memory")
+    page_size: int | None = _engine_field("page_size")
+    kv_layout: str | None = _engine_field("kv_layout")
+    block_size: int = _engine_field("block_size")
+    premap_pages: int = _engine_field("premap_pages")
+    max_idle_memory: int | None = _engine_field("max_idle_memory")
+    enable_prefix_caching: bool = _engine_field("enable_prefix_caching")
+    prefix_cache_hash: str = _engine_field("prefix_cache_hash")
+    precreate: bool = False
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of ``vmkv serve`` (the engine's settings are :class:`EngineConfig`)."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", minimum=0)
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer <key>` on /v1/* and /reset_prefix_cache "
+        "(default: $VMKV_API_KEY)", env=envs.VMKV_API_KEY)
+    served_model_name: str | None = option(
+        None, "the model's name in the API; default: the model folder's name")
+    max_body_bytes: int = option(
+        4 << 20, "largest request body (bigger: 413), e.g. 4M", minimum=1, size=True)
+    max_n: int = option(16, "most choices (`n`) one request may ask for", minimum=1,
+                        flag=False)
+
+    def __post_init__(self) -> None:
+        check_options(self)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vmkv.config import CacheConfig
-from vmkv.engine.config import EngineConfig
-from vmkv.engine.llm_engine import LLMEngine
+from vmkv.chat_template import chat_token_ids
+from vmkv.config import EngineConfig, check_names
 from vmkv.engine.outputs import RequestOutput
+from vmkv.process_tuning import tune_process
 from vmkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vmkv.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -19,64 +22,35 @@ Message = dict[str, Any]
 class LLM:
     """A model with a KV cache and a scheduler, for batches of prompts in one process.
 
-    Args:
-        model: HF model folder, ``.gguf`` file, or None for the default model
-            (SmolLM2-135M-Instruct).
-        kv_mode: "virtual" (contiguous slots, pages mapped on demand) or "paged".
-        device: "cpu" or "cuda[:N]".
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
-        kv_cache_memory: physical KV budget in bytes.
-        page_size: virtual page size in bytes (None: 16 KiB per-layer / 64 KiB all-layers on the
-            host, the driver granularity on CUDA).
-        kv_layout: "all-layers" or "per-layer" (virtual mode); None: per-layer on CPU,
-            all-layers on CUDA.
-        block_size: tokens per block (paged mode).
-        enable_prefix_caching: share the KV of common prompt prefixes across requests (default on).
-        linear_backend: "auto" (oneDNN-packed linears for float32 on CPU), "onednn", "torch".
-        max_model_len, max_num_seqs, max_num_batched_tokens, preemption_mode, seed:
-            as in :class:`~vmkv.engine.config.EngineConfig`.
+    ``LLM(model, **options)`` takes exactly the fields of :class:`~vmkv.config.EngineConfig`
+    as keyword options (``kv_mode``, ``device``, ``dtype``, ``kv_cache_memory`` in bytes,
+    ``page_size``, ``kv_layout``, ``block_size``, ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``preemption_mode``, ``enable_prefix_caching``, ``seed``, ...),
+    with the same defaults as the command line's flags; a misspelt one is a TypeError and an
+    impossible value a ValueError. ``model``: HF model folder, ``.gguf`` file, or None for the
+    default model (SmolLM2-135M-Instruct).
+
+    Construction tunes the process first (OpenMP defaults, glibc malloc; see
+    vmkv/process_tuning.py, off with ``VMKV_PROCESS_TUNING=0``), then loads torch and the model.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        kv_mode: str = "virtual",
-        device: str = "cpu",
-        dtype: str = "auto",
-        kv_cache_memory: int = 1 << 30,
-        page_size: int | None = None,
-        kv_layout: str | None = None,
-        block_size: int = 16,
-        premap_pages: int = 0,
-        max_idle_memory: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        preemption_mode: str = "recompute",
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        linear_backend: str = "auto",
-    ) -> None:
-        cache = CacheConfig(kv_mode=kv_mode, kv_cache_bytes=kv_cache_memory,
-                            page_size=page_size, layout=kv_layout, block_size=block_size,
-                            premap_pages=premap_pages, max_idle_bytes=max_idle_memory,
-                            precreate=device != "cpu",
-                            enable_prefix_caching=enable_prefix_caching)
-        self.engine = LLMEngine(EngineConfig(
-            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode, cache=cache, seed=seed,
-            linear_backend=linear_backend))
-        self._ids = itertools.count()
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        check_names(EngineConfig, options, "LLM()")
+        self._start(EngineConfig(model=model, **options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from a full :class:`EngineConfig` (the CLI's path)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        tune_process()  # before torch loads (with the engine), so the OpenMP settings count
+        from vmkv.engine.llm_engine import LLMEngine
+
+        self.engine: LLMEngine = LLMEngine(config)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
@@ -134,14 +108,8 @@ class LLM:
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True
                             ) -> list[int]:
-        """Token ids of a conversation under the model's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a dict
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a conversation under the model's chat template (ValueError if none)."""
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

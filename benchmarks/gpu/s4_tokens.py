@@ -87,7 +87,7 @@ def vmkv_greedy(model, dtype, mode: str, kernel: str | None, prompts, *, chunk=N
     else:
         os.environ.pop("VMKV_ATTENTION_BACKEND", None)
     spec = model.config.kv_spec(dtype)
-    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=256 << 20, block_size=16),
+    kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_memory=256 << 20, block_size=16),
                          spec, num_slots=8, max_model_len=512, device=DEVICE)
     try:
         if not graphs:

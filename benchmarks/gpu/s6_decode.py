@@ -107,7 +107,7 @@ def build_caches(res: Result, mcfg: Any) -> dict[str, tuple[Any, Any]]:
     out = {}
     for mode in ("virtual", "paged"):
         t0 = time.monotonic()
-        kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_bytes=budget, block_size=16),
+        kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_memory=budget, block_size=16),
                              spec, num_slots=max(b for b, _ in POINTS),
                              max_model_len=max(c for _, c in POINTS) + 16, device=DEVICE)
         attn = create_attention_backend(kv)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,13 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from vmkv import envs
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.kv_store import StoreFn, default_store
 from vmkv.attention.staging import StagingBuffer, layout
 
 logger = logging.getLogger(__name__)
 
-ENV_KERNEL = "VMKV_ATTENTION_BACKEND"
 KERNELS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 #: keyword arguments of aten._flash_attention_forward this code passes (present in 2.11+)
@@ -47,10 +46,10 @@ ATEN_REQUIRED_KWARGS = frozenset({"scale", "seqused_k"})
 
 def requested_kernel(kernel: str | None) -> str:
     """``kernel`` or ``$VMKV_ATTENTION_BACKEND`` or "auto"; ValueError for unknown names."""
-    name = kernel or os.environ.get(ENV_KERNEL) or "auto"
+    name = kernel or envs.attention_backend()
     if name not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {name!r}"
-                         + ("" if kernel else f" (from ${ENV_KERNEL})"))
+                         + ("" if kernel else f" (from ${envs.VMKV_ATTENTION_BACKEND.name})"))
     return name
 
 

@@ -33,7 +33,7 @@ def workload_for_model(spec: WorkloadSpec, model: str | None, tokenizer: str | N
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """Command-line flags reproducing the engine options of ``args`` (those not at their
     default), for a child ``vmkv serve`` or start-up probe."""
-    from vmkv.cli import add_engine_args
+    from vmkv.config_args import add_engine_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)

@@ -45,7 +45,7 @@ def _managers(spec: KVSpec, batch: int, context: int, layout: str, block_size: i
     room = batch * (context + 2 * block_size) * spec.bytes_per_token + (8 << 20)
     out: dict[str, KVCacheManager] = {}
     for mode in ("virtual", "paged"):
-        cache = CacheConfig(kv_mode=mode, kv_cache_bytes=room, layout=layout,
+        cache = CacheConfig(kv_mode=mode, kv_cache_memory=room, kv_layout=layout,
                             block_size=block_size)
         kv = create_kv_cache(cache, spec, num_slots=batch, max_model_len=context)
         for start in range(0, context, block_size):  # grow together: blocks interleave

@@ -11,6 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vmkv import envs
+
 
 def environment() -> dict[str, Any]:
     """Versions, machine and commit, recorded with every result."""
@@ -22,7 +24,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": envs.omp_wait_policy(),
         "torch_threads": torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "commit": _git_commit(),

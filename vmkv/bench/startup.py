@@ -1,8 +1,9 @@
 """``vmkv bench startup``: from process start to the first generated token, in a fresh process.
 
-A child Python process imports vmkv, builds the engine with the given options (model cached)
-and runs one 8-token prompt for one token. The parent takes the time before spawning the
-child; the child reports wall-clock (``time.time()``) timestamps of each stage, so
+A child Python process tunes itself as ``vmkv serve`` does, imports vmkv, builds the engine with
+the given options (model cached) and runs one 8-token prompt for one token. The parent takes the
+time before spawning the child; the child reports wall-clock (``time.time()``) timestamps of
+each stage, so
 
     spawn -> imports done -> engine built -> first token
 
@@ -23,12 +24,14 @@ _CHILD = """
 import json, sys, time
 t = {"start": time.time()}
 import argparse
-from vmkv.cli import add_engine_args, engine_config
+from vmkv.process_tuning import tune_process
+tune_process()
+from vmkv.config_args import add_engine_args, add_model_arg, engine_config
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.sampling_params import SamplingParams
 t["imports"] = time.time()
 p = argparse.ArgumentParser()
-p.add_argument("--model", default=None)
+add_model_arg(p)
 add_engine_args(p)
 engine = LLMEngine(engine_config(p.parse_args(sys.argv[1:])))
 t["engine"] = time.time()

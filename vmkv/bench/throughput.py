@@ -33,7 +33,7 @@ from typing import Any
 
 from vmkv.bench.common import progress_bar
 from vmkv.bench.workloads import BenchRequest
-from vmkv.engine.config import EngineConfig
+from vmkv.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.sampling_params import SamplingParams
 

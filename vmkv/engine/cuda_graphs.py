@@ -19,7 +19,6 @@ captured largest first, so the pool is sized by the largest bucket.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from vmkv import envs
 from vmkv.attention.base import AttentionBackend
 from vmkv.attention.cuda_common import CudaAttentionBackend
 from vmkv.attention.staging import Field, layout
@@ -35,8 +35,6 @@ from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
-
-ENV_GRAPHS = "VMKV_CUDA_GRAPHS"
 
 
 class Graph(Protocol):
@@ -188,11 +186,6 @@ class DecodeGraphRunner:
         return cap.hidden[:batch]
 
 
-def graphs_enabled() -> bool:
-    """``$VMKV_CUDA_GRAPHS`` is not "0" (the default is on, for CUDA engines)."""
-    return os.environ.get(ENV_GRAPHS, "1") != "0"
-
-
 def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
                               max_batch_size: int, mapper: BackgroundMapper | None = None,
                               graph_factory: Callable[[], Graph] | None = None
@@ -201,7 +194,7 @@ def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
     CPU, when ``$VMKV_CUDA_GRAPHS=0``, when the backend cannot be captured, or when capturing
     fails (logged with its root cause: every step then runs eagerly). ``graph_factory`` as in
     :class:`DecodeGraphRunner` (tests)."""
-    if model.device.type != "cuda" or not graphs_enabled():
+    if model.device.type != "cuda" or not envs.cuda_graphs():
         return None
     if not isinstance(attn, CudaAttentionBackend) or not attn.supports_cuda_graphs:
         logger.warning("CUDA graphs off: attention backend %s cannot be captured",

@@ -10,14 +10,14 @@ Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its o
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from vmkv import envs
 from vmkv.attention import create_attention_backend
-from vmkv.engine.config import EngineConfig
+from vmkv.config import EngineConfig
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.model_runner import ModelRunner
@@ -73,7 +73,7 @@ class LLMEngine:
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
         # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
         self.mapper: BackgroundMapper | None = None
-        if os.environ.get("VMKV_BACKGROUND_MAPPER", "1") != "0":
+        if envs.background_mapper():
             self.mapper = self.kv.start_background_mapper()
         # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
         self.graphs = maybe_create_graph_runner(self.model, self.attn,
@@ -106,8 +106,8 @@ class LLMEngine:
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
+            kv.describe(),
         ]
-        lines.append(kv.describe())
         return lines
 
     # -- requests -----------------------------------------------------------------------------

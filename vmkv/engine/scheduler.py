@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from vmkv.config import PREEMPTION_MODES
 from vmkv.engine.sequence import SeqStatus, Sequence
 from vmkv.kv.base import KVCacheManager
-
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass

@@ -16,11 +16,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from vmkv import envs
+
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-
-
-def build_dir() -> Path:
-    return Path(os.environ.get("VMKV_BUILD_DIR", "~/.cache/vmkv/csrc")).expanduser()
 
 
 def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name: str,
@@ -32,7 +30,7 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
     if not source.is_file():
         raise RuntimeError(f"kernel source {source} is missing (vmkv needs its source tree)")
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    out = Path(out_dir).expanduser() if out_dir else build_dir()
+    out = Path(out_dir).expanduser() if out_dir else envs.build_dir()
     lib_path = out / f"{name}_{digest}.so"
     if lib_path.exists():
         return lib_path

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from vmkv import envs
 from vmkv.kernels.build import CSRC, build_shared_library
 
 __all__ = ["SOURCE", "build_and_load", "decode_contiguous", "decode_paged"]
@@ -51,7 +52,7 @@ def build_and_load(arch: str | None = None, build_dir: str | Path | None = None,
     """Compile ``csrc/paged_attention.cu`` for ``arch`` (default: this GPU, else sm_90) if no
     cached build exists, and load it. Raises RuntimeError when nvcc is missing or fails."""
     arch = arch or _default_arch()
-    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+    nvcc = shutil.which("nvcc") or os.path.join(envs.cuda_home(),
                                                 "bin", "nvcc")
     if not os.path.exists(nvcc):
         raise RuntimeError("nvcc not found (PATH or $CUDA_HOME/bin): cannot build the CUDA twins")

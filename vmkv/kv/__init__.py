@@ -30,9 +30,9 @@ def create_kv_cache(
     """
     if config.kv_mode == "paged":
         block_bytes = config.block_size * spec.bytes_per_token
-        num_blocks = config.kv_cache_bytes // block_bytes
+        num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds no block of "
+            raise ValueError(f"kv_cache_memory ({config.kv_cache_memory}) holds no block of "
                              f"{block_bytes} B")
         return PagedKVCache(spec, num_blocks=num_blocks, block_size=config.block_size,
                             max_model_len=max_model_len, device=device,
@@ -41,20 +41,20 @@ def create_kv_cache(
 
     from vmkv.memory import PagePool, create_backend, default_vma_budget
 
-    layout_name = config.layout or default_layout(device)
+    layout_name = config.kv_layout or default_layout(device)
     requested = config.page_size
     if requested is None and device == "cpu":
         requested = HOST_PAGE_SIZE[layout_name]
     probe = create_backend(device, requested, 1)  # validates and resolves the page size
     page_size = probe.page_size
     probe.close()
-    num_pages = config.kv_cache_bytes // page_size
+    num_pages = config.kv_cache_memory // page_size
     layout = VirtualLayout(layout_name, spec, page_size, max_model_len)
     if num_pages < layout.num_regions:
-        raise ValueError(f"kv_cache_bytes ({config.kv_cache_bytes}) holds fewer than one page "
+        raise ValueError(f"kv_cache_memory ({config.kv_cache_memory}) holds fewer than one page "
                          f"of {page_size} B per region ({layout.num_regions} regions)")
     backend = create_backend(device, page_size, num_pages)
-    idle_pages = None if config.max_idle_bytes is None else config.max_idle_bytes // page_size
+    idle_pages = None if config.max_idle_memory is None else config.max_idle_memory // page_size
     pool = PagePool(
         backend,
         num_pages,

@@ -23,6 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vmkv import envs
+
 logger = logging.getLogger(__name__)
 
 MARKER = "vmkv-cache.json"
@@ -31,7 +33,7 @@ TMP_PREFIX = ".tmp-"
 
 def cache_root() -> Path:
     """``$VMKV_CACHE``, default ``~/.cache/vmkv``."""
-    return Path(os.environ.get("VMKV_CACHE") or "~/.cache/vmkv").expanduser()
+    return envs.cache_dir()
 
 
 def models_dir() -> Path:

@@ -1,0 +1,107 @@
+"""One configuration: EngineConfig's fields are LLM's options and the command line's flags; every
+environment variable is read through vmkv.envs and listed in docs/configuration.md."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from vmkv import envs
+from vmkv.cli import build_parser
+from vmkv.config import CacheConfig, EngineConfig, ServerConfig, field_option
+from vmkv.config_args import add_engine_args, engine_config, flag_name, server_config
+from vmkv.llm import LLM
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = (ROOT / "docs" / "configuration.md").read_text()
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_llm_names_unknown_options_and_suggests_the_field() -> None:
+    with pytest.raises(TypeError, match=r"'kv_cache_bytes' \(did you mean 'kv_cache_memory'\?\)"):
+        LLM(kv_cache_bytes=1 << 20)
+    with pytest.raises(TypeError, match="'colour'.*the options are EngineConfig's fields"):
+        LLM(kv_mode="paged", colour="red")
+
+
+def test_impossible_values_name_the_field_and_value() -> None:
+    for kwargs, match in [(dict(max_num_seqs=0), "max_num_seqs must be positive, got 0"),
+                          (dict(kv_mode="virtuel"), "kv_mode must be one of .* got 'virtuel'"),
+                          (dict(premap_pages=-1), "premap_pages must be >= 0, got -1"),
+                          (dict(kv_cache_memory=None), "kv_cache_memory must be set"),
+                          (dict(device="tpu"), "device must be 'cpu' or 'cuda"),
+                          (dict(linear_backend="blas"), "linear_backend must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="max_body_bytes must be positive"):
+        ServerConfig(max_body_bytes=0)
+
+
+def test_flags_are_the_fields_with_the_same_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for f in fields(EngineConfig):
+        assert (flag_name(f.name) in flags) == field_option(f).flag, f.name
+    assert engine_config(_parse()) == EngineConfig()
+    assert server_config(_parse()) == ServerConfig()
+
+
+def test_serve_flags_build_the_engine_and_server_configs() -> None:
+    args = _parse("some/model", "--kv-cache-memory", "1G", "--page-size", "64K",
+                  "--kv-layout", "all-layers", "--no-enable-prefix-caching", "--max-num-seqs",
+                  "8", "--port", "8001", "--max-body-bytes", "1M", "--api-key", "k")
+    assert engine_config(args) == EngineConfig(
+        model="some/model", kv_cache_memory=1 << 30, page_size=64 << 10,
+        kv_layout="all-layers", enable_prefix_caching=False, max_num_seqs=8)
+    assert server_config(args) == ServerConfig(port=8001, max_body_bytes=1 << 20, api_key="k")
+
+
+def test_api_key_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMKV_API_KEY", "from-env")
+    assert server_config(_parse()).api_key == "from-env"
+    assert build_parser().parse_args(["bench", "serve"]).api_key == "from-env"
+
+
+def test_cache_config_is_a_view_of_the_engine_config() -> None:
+    config = EngineConfig(kv_mode="paged", kv_cache_memory=1 << 20, block_size=32,
+                          kv_layout="per-layer", max_idle_memory=0, device="cuda")
+    assert config.cache == CacheConfig(kv_mode="paged", kv_cache_memory=1 << 20, block_size=32,
+                                       kv_layout="per-layer", max_idle_memory=0, precreate=True)
+    assert EngineConfig().cache == CacheConfig()  # the same defaults; no precreate on CPU
+    for f in fields(CacheConfig):
+        if f.name != "precreate":
+            assert f.default == EngineConfig.__dataclass_fields__[f.name].default, f.name
+
+
+def test_envs_are_read_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("VMKV_CUDA_GRAPHS", raising=False)
+    assert envs.cuda_graphs()
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("VMKV_CUDA_GRAPHS", off)
+        assert not envs.cuda_graphs()
+    monkeypatch.setenv("VMKV_CACHE", str(tmp_path))
+    assert envs.cache_dir() == tmp_path
+    monkeypatch.setenv("VMKV_CACHE", "")  # empty counts as unset
+    assert envs.cache_dir() == Path("~/.cache/vmkv").expanduser()
+
+
+def test_docs_list_every_option_and_environment_variable() -> None:
+    assert envs.table() in DOC, "regenerate the table: python -m vmkv.envs"
+    for cls in (EngineConfig, ServerConfig):
+        for f in fields(cls):
+            assert f"`{f.name}`" in DOC, f"{cls.__name__}.{f.name} is not in the doc"
+
+
+def test_only_the_envs_module_and_the_process_tuning_touch_os_environ() -> None:
+    allowed = {ROOT / "vmkv" / "envs.py", ROOT / "vmkv" / "process_tuning.py"}
+    readers = [path for folder in ("vmkv", "server") for path in (ROOT / folder).rglob("*.py")
+               if re.search(r"os\.environ|getenv", path.read_text()) and path not in allowed]
+    assert readers == []

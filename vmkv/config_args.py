@@ -1,0 +1,89 @@
+"""Command-line flags generated from the config dataclasses of ``vmkv/config.py``.
+
+A field ``kv_cache_memory`` becomes ``--kv-cache-memory`` with the field's default, help and
+choices; a bool field becomes ``--name / --no-name``; a size field also takes ``64K``, ``2M``,
+``1G``. Fields whose Option says ``flag=False`` (``model``, ``tokenizer``, ``max_n``) are added
+by each command its own way, or not at all. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from vmkv.config import EngineConfig, ServerConfig, field_option
+
+C = TypeVar("C")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G'."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 64K or 2M, got {text!r}"
+                                         ) from None
+
+
+def flag_name(name: str) -> str:
+    """``kv_cache_memory`` -> ``--kv-cache-memory``."""
+    return "--" + name.replace("_", "-")
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the config dataclass ``cls`` whose Option is a flag."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        opt = field_option(f)
+        if opt is None or not opt.flag:
+            continue
+        default = f.default if opt.env is None else opt.env.get()
+        help_text = opt.help.replace("%", "%%")  # argparse formats help with %
+        if hints[f.name] is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+            continue
+        kind = typing.get_args(hints[f.name]) or (hints[f.name],)
+        arg_type = parse_size if opt.size else int if int in kind else str
+        parser.add_argument(flag_name(f.name), type=arg_type, choices=opt.choices,
+                            default=default, help=help_text)
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **values: Any) -> C:
+    """``cls`` built from the flags :func:`add_config_args` added, plus ``values``."""
+    flagged = {f.name: getattr(args, f.name) for f in fields(cls)
+               if (opt := field_option(f)) is not None and opt.flag}
+    return cls(**flagged, **values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine options shared by ``serve``, ``generate`` and the benchmarks."""
+    add_config_args(parser, EngineConfig)
+
+
+def add_model_arg(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """``EngineConfig.model`` as the command's optional positional argument, or ``--model``."""
+    help_text = field_option(EngineConfig.__dataclass_fields__["model"]).help
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, help=help_text)
+    else:
+        parser.add_argument("--model", default=None, help=help_text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine options describe (ValueError for impossible values);
+    ``args.model``, when the command has one, is the model."""
+    return config_from_args(EngineConfig, args, model=getattr(args, "model", None))
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """``vmkv serve``'s HTTP options."""
+    add_config_args(parser, ServerConfig)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return config_from_args(ServerConfig, args)

@@ -1,0 +1,133 @@
+"""Every environment variable vmkv reads, with its default and meaning.
+
+This is the only module that reads ``os.environ`` (``vmkv/process_tuning.py`` is the one that
+writes it). Values are read when an accessor is called, never at import, so a variable set later
+(``monkeypatch.setenv`` in a test, a wrapper script) takes effect. An empty value counts as
+unset. Switches are on unless set to ``0``, ``false``, ``no`` or ``off``.
+
+``docs/configuration.md`` carries :func:`table` verbatim (a test checks it); regenerate it with
+``python -m vmkv.envs``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, the value used when it is unset, what it does.
+
+    ``tuned`` is the value vmkv's process tuning (:func:`vmkv.process_tuning.tune_process`)
+    puts in the environment when the variable is unset; None for variables it leaves alone.
+    """
+
+    name: str
+    default: str | None
+    meaning: str
+    tuned: str | None = None
+
+    def get(self) -> str | None:
+        """The variable's value, or ``default`` when it is unset or empty."""
+        return os.environ.get(self.name) or self.default
+
+
+VMKV_ATTENTION_BACKEND = EnvVar(
+    "VMKV_ATTENTION_BACKEND", "auto",
+    "attention kernel on CUDA when none is passed: auto, flash, flash-attn, aten-flash, triton "
+    "or sdpa (docs/gpu.md)")
+VMKV_CUDA_GRAPHS = EnvVar(
+    "VMKV_CUDA_GRAPHS", "1", "capture decode steps as CUDA graphs (CUDA engines); 0: eager")
+VMKV_BACKGROUND_MAPPER = EnvVar(
+    "VMKV_BACKGROUND_MAPPER", "1",
+    "virtual mode on CUDA: map the next steps' pages on a thread while the GPU computes; 0: map "
+    "inline")
+VMKV_PROCESS_TUNING = EnvVar(
+    "VMKV_PROCESS_TUNING", "1",
+    "the CLI, `LLM` and the server tune the process (OpenMP defaults below, glibc malloc "
+    "thresholds); 0: leave the process alone")
+VMKV_API_KEY = EnvVar(
+    "VMKV_API_KEY", None,
+    "default of `--api-key` (`vmkv serve`, `vmkv bench serve`); unset: no key")
+VMKV_CACHE = EnvVar(
+    "VMKV_CACHE", "~/.cache/vmkv", "converted models (`<VMKV_CACHE>/models/`)")
+VMKV_BUILD_DIR = EnvVar(
+    "VMKV_BUILD_DIR", "~/.cache/vmkv/csrc", "compiled C++/CUDA kernels (csrc/)")
+CUDA_HOME = EnvVar(
+    "CUDA_HOME", "/usr/local/cuda", "where `nvcc` is looked for when it is not on PATH")
+OMP_WAIT_POLICY = EnvVar(
+    "OMP_WAIT_POLICY", None,
+    "OpenMP idle threads; read once, when torch loads its OpenMP runtime. PASSIVE: idle threads "
+    "do not burn a core (small torch ops stall ~8 ms otherwise)", tuned="PASSIVE")
+GOMP_SPINCOUNT = EnvVar(
+    "GOMP_SPINCOUNT", None,
+    "how long an idle OpenMP thread spins before sleeping; read when torch loads. A short spin "
+    "saves a step's back-to-back small ops a wake-up each (decode step at batch 64: 187 → "
+    "159 ms)", tuned="20000")
+
+#: every variable, in the order docs/configuration.md lists them
+ALL: tuple[EnvVar, ...] = (
+    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_BACKGROUND_MAPPER, VMKV_PROCESS_TUNING,
+    VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
+)
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _switch(var: EnvVar) -> bool:
+    return (var.get() or "").strip().lower() not in _OFF
+
+
+def attention_backend() -> str:
+    """``$VMKV_ATTENTION_BACKEND`` (not checked here: the attention code knows the names)."""
+    return VMKV_ATTENTION_BACKEND.get() or "auto"
+
+
+def cuda_graphs() -> bool:
+    return _switch(VMKV_CUDA_GRAPHS)
+
+
+def background_mapper() -> bool:
+    return _switch(VMKV_BACKGROUND_MAPPER)
+
+
+def process_tuning() -> bool:
+    return _switch(VMKV_PROCESS_TUNING)
+
+
+def api_key() -> str | None:
+    return VMKV_API_KEY.get()
+
+
+def cache_dir() -> Path:
+    return Path(VMKV_CACHE.get() or "").expanduser()
+
+
+def build_dir() -> Path:
+    return Path(VMKV_BUILD_DIR.get() or "").expanduser()
+
+
+def cuda_home() -> str:
+    return CUDA_HOME.get() or ""
+
+
+def omp_wait_policy() -> str | None:
+    """The value in the environment now (None: unset), as recorded with benchmark results."""
+    return OMP_WAIT_POLICY.get()
+
+
+def table() -> str:
+    """The Markdown table of :data:`ALL` that docs/configuration.md carries."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for var in ALL:
+        default = "unset" if var.default is None else f"`{var.default}`"
+        if var.tuned is not None:
+            default += f" (process tuning: `{var.tuned}`)"
+        rows.append(f"| `{var.name}` | {default} | {var.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")
