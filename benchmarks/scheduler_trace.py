@@ -9,7 +9,7 @@ blocks of 16 tokens, a 24-token step budget: chunked prefill, admission and pree
 from vmkv.config import CacheConfig
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
-from vmkv.kv import KVSpec, PagedKVCache, create_kv_cache
+from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.sampling_params import SamplingParams
 
 OUTPUT_TOKENS = 12
@@ -20,7 +20,6 @@ def main() -> None:
     spec = KVSpec(1, 1, 4)
     kv = create_kv_cache(CacheConfig(kv_mode="paged", kv_cache_memory=6 * 16 * 32, block_size=16),
                          spec, num_slots=4, max_model_len=512)
-    assert isinstance(kv, PagedKVCache)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=24)
     for rid, n in PROMPT_LENS.items():
         request = Request(rid, [1] * n, SamplingParams(max_tokens=40), OUTPUT_TOKENS)
@@ -35,7 +34,7 @@ def main() -> None:
                 seq.token_ids.append(2)
                 if seq.num_output_tokens == OUTPUT_TOKENS:
                     sched.remove(seq)
-        state = " ".join(f"{r}:{kv.num_tokens(r)}/{len(kv.block_tables.get(r, []))}"
+        state = " ".join(f"{r}:{kv.num_tokens(r)}/{len(kv.block_table(r))}"
                          for r in PROMPT_LENS if kv.has_request(r))
         preempted = [p.seq_id for p in out.preempted] or ""
         waiting = [w.seq_id for w in sched.waiting] or ""

@@ -24,9 +24,8 @@ import torch
 import transformers
 from attention_scenarios import ReferenceVarlen  # sets TRITON_INTERPRET without CUDA
 
+from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.kv_store import store_index_copy, store_triton
-from vmkv.attention.paged_cuda import PagedCudaBackend
-from vmkv.attention.virtual_cuda import VirtualCudaBackend
 from vmkv.engine.cuda_graphs import DecodeGraphRunner
 from vmkv.kv import PagedKVCache, VirtualKVCache
 from vmkv.memory import PagePool
@@ -122,15 +121,15 @@ def host_kv(cfg: ModelConfig, dtype: torch.dtype = torch.float16, slots: int = 6
 
 
 def virtual_setup(kernel: str, cfg: ModelConfig, dtype: torch.dtype = torch.float16
-                  ) -> tuple[VirtualKVCache, VirtualCudaBackend]:
+                  ) -> tuple[VirtualKVCache, CudaAttentionBackend]:
     """A host cache and a virtual CUDA backend on it: ``aten-flash`` through the injected
     reference, any other kernel with the real masked Triton write (interpreted on CPU)."""
     kv = host_kv(cfg, dtype)
     if kernel == "aten-flash":
-        attn = VirtualCudaBackend(kv, kernel, varlen_fn=ReferenceVarlen(),
+        attn = CudaAttentionBackend(kv, kernel, varlen_fn=ReferenceVarlen(),
                                   store=store_index_copy)
     else:
-        attn = VirtualCudaBackend(kv, kernel, store=None if CUDA else store_triton)
+        attn = CudaAttentionBackend(kv, kernel, store=None if CUDA else store_triton)
     return kv, attn
 
 
@@ -147,7 +146,7 @@ def cpu_replay(case: str) -> None:
     else:
         kv = PagedKVCache(cfg.kv_spec(torch.float16), num_blocks=64, block_size=16,
                           max_model_len=1024)
-        attn = PagedCudaBackend(kv, "triton", store=store_triton)
+        attn = CudaAttentionBackend(kv, "triton", store=store_triton)
     assert attn.supports_cuda_graphs
     paused_at_capture: list[bool] = []
     factory = lambda: ReplayByRerun(  # noqa: E731
@@ -174,7 +173,7 @@ def gpu_virtual_replay(kernel: str) -> None:
     backend = CudaMemoryBackend(None, 64)
     kv = VirtualKVCache(cfg.kv_spec(torch.bfloat16), pool=PagePool(backend, 64), num_slots=6,
                         max_model_len=2048)
-    attn = VirtualCudaBackend(kv, kernel)
+    attn = CudaAttentionBackend(kv, kernel)
     assert kv.layout.tokens_in(1) == 1024
     mapper = BackgroundMapper(kv.backend)
     runner = DecodeGraphRunner(model, attn, max_batch_size=6, mapper=mapper)
@@ -194,7 +193,7 @@ def gpu_paged_replay() -> None:
     model, cfg = tiny_model(torch.bfloat16, "cuda", layers=4, head_dim=64)
     kv = PagedKVCache(cfg.kv_spec(torch.bfloat16), num_blocks=256, block_size=16,
                       max_model_len=2048, device="cuda")
-    attn = PagedCudaBackend(kv)
+    attn = CudaAttentionBackend(kv)
     runner = DecodeGraphRunner(model, attn, max_batch_size=6)
     runner.capture()
     drive(model, kv, attn, runner, prompts={"a": 5, "b": 300, "c": 33, "d": 1, "e": 7},

@@ -43,11 +43,10 @@ from attention_scenarios import (  # sets TRITON_INTERPRET without CUDA
 from triton_required import needs_triton
 
 from vmkv.attention import create_attention_backend
-from vmkv.attention.cuda_common import aten_flash_kwargs, requested_kernel
+from vmkv.attention.cuda import CudaAttentionBackend
+from vmkv.attention.kernel_choice import aten_flash_kwargs, requested_kernel, resolve_kernel
 from vmkv.attention.kv_store import store_index_copy
-from vmkv.attention.paged_cuda import PagedCudaBackend, resolve_paged_kernel
 from vmkv.attention.staging import StagingBuffer, layout
-from vmkv.attention.virtual_cuda import VirtualCudaBackend, resolve_virtual_kernel
 
 CUDA = torch.cuda.is_available()
 
@@ -58,7 +57,7 @@ def _virtual_scenario(kernel: str, dtype_name: str) -> None:
     kv = host_virtual(dtype)
     varlen = ReferenceVarlen()
     fa = FakeFlashAttn()
-    backend = VirtualCudaBackend(kv, kernel, varlen_fn=varlen, flash_attn=fa)
+    backend = CudaAttentionBackend(kv, kernel, varlen_fn=varlen, flash_attn=fa)
     assert backend.kernel == kernel, backend.kernel
     run_scenario(kv, backend, STEPS, tol=2e-2 if dtype != torch.float32 else 1e-4)
     if kernel == "aten-flash":  # one call per layer and step; decode steps pass max_q == 1
@@ -98,7 +97,7 @@ def _over_read_scenario() -> None:
         return varlen(q, k, v, cu_q, cu_k, max_q, max_k + 1, *rest, scale=scale,
                       seqused_k=seqused_k + 1)
 
-    backend = VirtualCudaBackend(kv, "aten-flash", varlen_fn=over)
+    backend = CudaAttentionBackend(kv, "aten-flash", varlen_fn=over)
     run_scenario(kv, backend, STEPS, tol=2e-2)
 
 
@@ -109,7 +108,7 @@ def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
         pytest.skip("triton is not installed (not a dependency here)")
     device = "cuda" if CUDA else "cpu"
     kv = paged_cache(dtype, device)
-    backend = PagedCudaBackend(kv, "triton" if dtype == torch.float16 else "sdpa")
+    backend = CudaAttentionBackend(kv, "triton" if dtype == torch.float16 else "sdpa")
     tol = 2e-2 if dtype == torch.float16 else 1e-4
     _, hist = run_scenario(kv, backend, STEPS[:3], tol=tol)
     assert kv.fork("b", "b2")  # b has 51 tokens: its partial last block is shared
@@ -119,7 +118,7 @@ def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
     assert kv.block_table("b")[:3] == kv.block_table("b2")[:3]
     assert kv.block_table("b")[3] != kv.block_table("b2")[3]
     for rid in kv.request_ids():  # the incremental numpy tables equal the manager's
-        assert backend.tables.get(rid, 10**9).tolist() == kv.block_table(rid)
+        assert kv.tables.get(rid, 10**9).tolist() == kv.block_table(rid)
     kv.check()
 
 
@@ -127,14 +126,14 @@ def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
 def test_paged_flash_attn_plumbing_uses_block_tables() -> None:
     kv = paged_cache(torch.bfloat16, block_size=256, num_blocks=8)
     fa = FakeFlashAttn()
-    backend = PagedCudaBackend(kv, "flash-attn", flash_attn=fa)
+    backend = CudaAttentionBackend(kv, "flash-attn", flash_attn=fa)
     run_scenario(kv, backend, STEPS, tol=2e-2)
     assert set(fa.calls) == {"paged"}
 
 
 def test_virtual_step_arrays_are_exact() -> None:
     kv = host_virtual(torch.float16)
-    backend = VirtualCudaBackend(kv, "sdpa")
+    backend = CudaAttentionBackend(kv, "sdpa")
     t = kv.layout.slot_tokens  # 512
     assert kv.allocate("x", 3) and kv.allocate("y", 5) and kv.allocate("z", 2)
     slots = [kv.slot(r) for r in "xyz"]
@@ -150,12 +149,13 @@ def test_virtual_step_arrays_are_exact() -> None:
     assert a["cu_seqlens_q"].dtype == np.int32 and a["write_rows"].dtype == np.int64
     meta = backend.prepare(["y", "x", "z"], [4, 0, 1], [1, 3, 1])
     assert meta.write_rows.tolist() == a["write_rows"].tolist()
-    assert meta.extra["cu_seqlens_k"].dtype == torch.int32 and meta.seq_rows[0] == (sy, 5)
+    assert meta.cu_seqlens_k.dtype == torch.int32
+    assert meta.addressing.sequence_rows(0, 5) == slice(sy, sy + 5)
 
 
 def test_graph_padding_writes_nothing_and_reads_nothing() -> None:
     kv = host_virtual(torch.float16)
-    backend = VirtualCudaBackend(kv, "sdpa")
+    backend = CudaAttentionBackend(kv, "sdpa")
     assert kv.allocate("x", 3) and kv.allocate("y", 1)
     step = backend.build_step(["x", "y"], [2, 0], [1, 1], pad_to=4)
     a = step.arrays
@@ -173,11 +173,11 @@ def test_graph_padding_writes_nothing_and_reads_nothing() -> None:
         backend.build_step(["x", "y"], [2, 0], [1, 1], pad_to=1)
 
     pkv = paged_cache(torch.float16)
-    pb = PagedCudaBackend(pkv, "triton" if triton_required.USE else "sdpa")
+    pb = CudaAttentionBackend(pkv, "triton" if triton_required.USE else "sdpa")
     assert pkv.allocate("x", 40) and pkv.allocate("y", 1)
     step = pb.build_step(["x", "y"], [39, 0], [1, 1], pad_to=3)
     bt = step.arrays["block_table"]
-    assert bt.shape == (3, pb.max_blocks) and bt[0, :3].tolist() == pkv.block_table("x")
+    assert bt.shape == (3, pkv.max_blocks) and bt[0, :3].tolist() == pkv.block_table("x")
     assert step.arrays["write_rows"].tolist() == [pkv.block_table("x")[2] * 16 + 7,
                                                   pkv.block_table("y")[0] * 16, -1]
     if pb.kernel != "sdpa":  # sdpa gathers per request: never captured
@@ -222,6 +222,19 @@ def test_triton_store_skips_padding_rows() -> None:
     ref = torch.zeros_like(cache)
     store_index_copy(ref[:, 1, 0], ref[:, 1, 1], rows, k, v)
     assert torch.equal(ref, cache)
+
+
+def resolve_virtual_kernel(requested: str, dtype: torch.dtype, head_dim: int, **kw: bool
+                           ) -> str:
+    return resolve_kernel(requested, paged=False, dtype=dtype, head_dim=head_dim, block_size=0,
+                          **kw)
+
+
+def resolve_paged_kernel(requested: str, dtype: torch.dtype, head_dim: int, block_size: int, *,
+                         flash_attn: bool, triton: bool) -> str:
+    return resolve_kernel(requested, paged=True, dtype=dtype, head_dim=head_dim,
+                          block_size=block_size, flash_attn=flash_attn, aten=True, triton=triton,
+                          rows_fit_int32=True)
 
 
 def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -280,7 +293,7 @@ def test_factory_routes_by_device() -> None:
 @pytest.mark.parametrize("kernel", ["aten-flash", "triton"])
 def test_gpu_virtual_backend_matches_fp32_reference(kernel: str) -> None:
     kv = cuda_virtual(torch.bfloat16)
-    backend = VirtualCudaBackend(kv, kernel)
+    backend = CudaAttentionBackend(kv, kernel)
     assert backend.kernel == kernel
     errors, _ = run_scenario(kv, backend, boundary_steps(kv), tol=1e-2)
     torch.cuda.synchronize()
@@ -291,7 +304,7 @@ def test_gpu_virtual_backend_matches_fp32_reference(kernel: str) -> None:
 @pytest.mark.gpu
 def test_gpu_paged_backend_matches_fp32_reference() -> None:
     kv = paged_cache(torch.bfloat16, "cuda", block_size=16, num_blocks=512)
-    backend = PagedCudaBackend(kv)
+    backend = CudaAttentionBackend(kv)
     assert backend.kernel == "triton"  # flash-attn is not installed there
     errors, _ = run_scenario(kv, backend, STEPS, tol=1e-2)
     assert max(errors) < 1e-2
@@ -300,7 +313,7 @@ def test_gpu_paged_backend_matches_fp32_reference() -> None:
 @pytest.mark.gpu
 def test_gpu_fp32_virtual_falls_back_to_sdpa() -> None:
     kv = cuda_virtual(torch.float32)
-    backend = VirtualCudaBackend(kv)
+    backend = CudaAttentionBackend(kv)
     assert backend.kernel == "sdpa"
     run_scenario(kv, backend, STEPS, tol=1e-3)
     kv.close()

@@ -53,13 +53,13 @@ from hypothesis.stateful import (  # noqa: E402
 )
 from triton_required import needs_triton  # noqa: E402
 
+from vmkv.attention.cuda import CudaAttentionBackend  # noqa: E402
 from vmkv.attention.kv_store import (  # noqa: E402
     default_store,
     store_index_copy,
     store_triton,
     triton_usable,
 )
-from vmkv.attention.virtual_cuda import VirtualCudaBackend  # noqa: E402
 from vmkv.kernels.launch import launch, pointer_guard  # noqa: E402
 from vmkv.kv import KVSpec, VirtualKVCache  # noqa: E402
 from vmkv.memory import PagePool, VirtualRegion  # noqa: E402
@@ -97,7 +97,7 @@ def simulated_cuda_cache(layout: str, *, pages: int = 48, max_idle_pages: int | 
     return kv, driver
 
 
-def launch_with_every_kv_tensor(attn: VirtualCudaBackend, driver: FakeDriver) -> None:
+def launch_with_every_kv_tensor(attn: CudaAttentionBackend, driver: FakeDriver) -> None:
     """Launch a kernel with every K/V tensor the attention backend passes to kernels (the slot
     views and their flat row views of every layer), under the driver's pointer check."""
     kernel = RecordingKernel()
@@ -140,7 +140,7 @@ class AnyOpSequence(RuleBasedStateMachine):
         super().__init__()
         self.kv, self.driver = simulated_cuda_cache(self.layout,
                                                     max_idle_pages=self.max_idle_pages)
-        self.attn = VirtualCudaBackend(self.kv, "sdpa")
+        self.attn = CudaAttentionBackend(self.kv, "sdpa")
         self.prompt_of: dict[str, list[int]] = {}
         self.counter = 0
 
@@ -232,7 +232,7 @@ def test_a_real_triton_step_with_slot_zero_idle(layout: str) -> None:
 
 def _triton_step(layout: str) -> None:
     kv, driver = simulated_cuda_cache(layout, max_idle_pages=0, prefix=False)
-    attn = VirtualCudaBackend(kv, "triton", store=store_triton)  # the Triton write on CPU too
+    attn = CudaAttentionBackend(kv, "triton", store=store_triton)  # the Triton write on CPU too
     gen = torch.Generator().manual_seed(0)
 
     def step(rids: list[str], ctx: list[int], qlens: list[int]) -> None:

@@ -80,7 +80,7 @@ def main(res: Result) -> None:
                     f"Python.h {facts['python_h']['exists']}")
     guard(res, "one-element Triton launch", lambda: triton_launch(res))
 
-    from vmkv.attention.cuda_common import aten_flash_kwargs, flash_attn_module
+    from vmkv.attention.kernel_choice import aten_flash_kwargs, flash_attn_module
 
     kwargs = sorted(aten_flash_kwargs())  # the op's schema: readable without a GPU
     res.record("aten_flash_attention_forward_kwargs", kwargs)

@@ -55,14 +55,14 @@ def virtual_backend(kv, kernel: str | None = None):  # type: ignore[no-untyped-d
     injected reference and the Triton twin writes K/V with the (interpreted) Triton store."""
     from attention_scenarios import ReferenceVarlen
 
+    from vmkv.attention.cuda import CudaAttentionBackend
     from vmkv.attention.kv_store import store_triton
-    from vmkv.attention.virtual_cuda import VirtualCudaBackend
 
     if not ON_CPU:
-        return VirtualCudaBackend(kv, kernel)
+        return CudaAttentionBackend(kv, kernel)
     if kernel == "aten-flash":
-        return VirtualCudaBackend(kv, kernel, varlen_fn=ReferenceVarlen())
-    return VirtualCudaBackend(kv, kernel, store=store_triton if kernel == "triton" else None)
+        return CudaAttentionBackend(kv, kernel, varlen_fn=ReferenceVarlen())
+    return CudaAttentionBackend(kv, kernel, store=store_triton if kernel == "triton" else None)
 
 
 def long_context(shapes: Shapes, kernel: str) -> float:
@@ -121,8 +121,8 @@ def scenarios(res: Result, tol: float) -> None:
     import attention_scenarios as sc
     import torch
 
+    from vmkv.attention.cuda import CudaAttentionBackend
     from vmkv.attention.kv_store import store_triton
-    from vmkv.attention.paged_cuda import PagedCudaBackend
 
     def cache(dt):  # type: ignore[no-untyped-def]
         return sc.host_virtual(dt) if ON_CPU else sc.cuda_virtual(dt)
@@ -143,10 +143,10 @@ def scenarios(res: Result, tol: float) -> None:
     def paged() -> None:
         if ON_CPU:
             kv = sc.paged_cache(dtype())
-            attn = PagedCudaBackend(kv, "triton", store=store_triton)
+            attn = CudaAttentionBackend(kv, "triton", store=store_triton)
         else:
             kv = sc.paged_cache(dtype(), "cuda", block_size=16, num_blocks=512)
-            attn = PagedCudaBackend(kv)
+            attn = CudaAttentionBackend(kv)
         errors, _ = sc.run_scenario(kv, attn, sc.STEPS, tol=tol)
         res.check(f"paged/triton {dtype()} vs fp32 reference", max(errors) < tol,
                   max_rel_err=max(errors), kernel=attn.kernel)

@@ -16,12 +16,12 @@ def main(res: Result) -> None:
     import attention_scenarios as sc
     import torch
 
-    from vmkv.attention.virtual_cuda import VirtualCudaBackend
+    from vmkv.attention.cuda import CudaAttentionBackend
 
     for kernel in ("aten-flash", "triton"):
         def scenario(kernel: str = kernel) -> None:
             kv = sc.cuda_virtual(torch.bfloat16)
-            attn = VirtualCudaBackend(kv, kernel)
+            attn = CudaAttentionBackend(kv, kernel)
             errors, _ = sc.run_scenario(kv, attn, sc.boundary_steps(kv), tol=1e-2)
             torch.cuda.synchronize()
             res.check(f"{kernel} under memcheck", max(errors) < 1e-2, max_rel_err=max(errors))

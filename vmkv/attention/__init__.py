@@ -1,6 +1,12 @@
-"""Attention backends, chosen by KV mode and device (see :func:`create_attention_backend`)."""
+"""Attention backends: one per device, over either KV mode (see :func:`create_attention_backend`).
+
+The KV manager hands each step's addressing (slot ids or a block table, :mod:`vmkv.kv.addressing`)
+to the backend of its device; neither backend looks at the manager's class.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.kv.base import KVCacheManager
@@ -8,37 +14,37 @@ from vmkv.kv.base import KVCacheManager
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]
 
 
+def _cpu(kv: KVCacheManager, kernel: str | None) -> AttentionBackend:
+    if kernel is not None:
+        raise ValueError(f"kernel={kernel!r} selects a CUDA attention kernel; the KV cache is "
+                         "on the CPU")
+    from vmkv.attention.cpu import CpuAttentionBackend
+
+    return CpuAttentionBackend(kv)
+
+
+def _cuda(kv: KVCacheManager, kernel: str | None) -> AttentionBackend:
+    from vmkv.attention.cuda import CudaAttentionBackend
+
+    return CudaAttentionBackend(kv, kernel)
+
+
+#: device type -> backend factory (imports are lazy: Triton and CUDA only where used)
+BACKENDS: dict[str, Callable[[KVCacheManager, str | None], AttentionBackend]] = {
+    "cpu": _cpu,
+    "cuda": _cuda,
+}
+
+
 def create_attention_backend(kv: KVCacheManager, kernel: str | None = None) -> AttentionBackend:
-    """The backend for ``kv``'s mode on ``kv``'s device.
+    """The backend for ``kv``'s device, over ``kv``'s mode.
 
-    CPU: SDPA on slot views (virtual) or a block-table gather (paged). CUDA: FlashAttention-2
-    on the slot views (virtual) or the paged Triton twin / flash-attn block tables (paged).
-    ``kernel`` (CUDA only; default ``$VMKV_ATTENTION_BACKEND`` or "auto") picks the CUDA kernel:
-    "auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa" (see
-    :mod:`vmkv.attention.cuda_common`).
+    CPU: a batched in-place decode kernel and SDPA. CUDA: FlashAttention-2 on the slot views
+    (virtual) or the paged Triton twin / flash-attn block tables (paged). ``kernel`` (CUDA only;
+    default ``$VMKV_ATTENTION_BACKEND`` or "auto") picks the CUDA kernel: "auto", "flash",
+    "flash-attn", "aten-flash", "triton", "sdpa" (see :mod:`vmkv.attention.kernel_choice`).
     """
-    from vmkv.kv.paged import PagedKVCache
-    from vmkv.kv.virtual import VirtualKVCache
-
-    if kv.device.type == "cpu":
-        if kernel is not None:
-            raise ValueError(f"kernel={kernel!r} selects a CUDA attention kernel; the KV cache "
-                             "is on the CPU")
-        if isinstance(kv, VirtualKVCache):
-            from vmkv.attention.virtual_cpu import VirtualSdpaBackend
-
-            return VirtualSdpaBackend(kv)
-        if isinstance(kv, PagedKVCache):
-            from vmkv.attention.paged_cpu import PagedGatherBackend
-
-            return PagedGatherBackend(kv)
-    if kv.device.type == "cuda":
-        if isinstance(kv, VirtualKVCache):
-            from vmkv.attention.virtual_cuda import VirtualCudaBackend
-
-            return VirtualCudaBackend(kv, kernel)
-        if isinstance(kv, PagedKVCache):
-            from vmkv.attention.paged_cuda import PagedCudaBackend
-
-            return PagedCudaBackend(kv, kernel)
-    raise ValueError(f"no attention backend for kv_mode={kv.kv_mode!r} on {kv.device}")
+    factory = BACKENDS.get(kv.device.type)
+    if factory is None:
+        raise ValueError(f"no attention backend for kv_mode={kv.kv_mode!r} on {kv.device}")
+    return factory(kv, kernel)

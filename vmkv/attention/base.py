@@ -7,9 +7,9 @@ A step's batch is a list of requests, each contributing ``query_len`` new tokens
     req i attends over cache rows [0, context_len_i + query_len_i) of its own sequence,
     causally: new token j sees cached tokens and new tokens 0..j.
 
-Both KV modes expose every layer's cache as a flat ``[rows, kv_head, head_dim]`` view (virtual:
-``slot * slot_tokens + position``; paged: ``block * block_size + offset``), so the write path is
-one ``index_copy_`` of the new rows in either mode; only reading differs.
+The KV manager says where each request's rows are (:mod:`vmkv.kv.addressing`: slot ids or a
+block table); both modes expose each layer's cache as flat rows, so the write is one scatter of
+the new rows in either mode and only the kernels' reading differs.
 """
 
 from __future__ import annotations
@@ -19,45 +19,35 @@ from dataclasses import dataclass
 
 import torch
 
+from vmkv.kv.addressing import Addressing
+
 
 @dataclass
 class AttentionMetadata:
-    """One step's batch, with the addressing a backend prepared for it.
+    """One step's batch and its addressing; backends extend it with their own typed fields.
 
     Attributes:
         request_ids: requests in batch order.
         context_lens: tokens each request had cached before this step.
         query_lens: new tokens each request brings this step.
-        write_rows: ``[num_tokens]`` int64 flat cache row of every new token.
-        seq_rows: per request, the flat rows of its whole sequence (``context + query``):
-            a ``(start, length)`` pair for contiguous slots, an index tensor for block tables.
-        extra: backend-specific tensors (block tables, slot ids, lengths on device...).
+        write_rows: ``[num_tokens]`` int64 flat cache row of every new token (-1: padding).
+        addressing: the step's slot ids or block table (host arrays).
     """
 
     request_ids: list[str]
     context_lens: list[int]
     query_lens: list[int]
     write_rows: torch.Tensor
-    seq_rows: list[tuple[int, int] | torch.Tensor]
-    extra: dict[str, object]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)
-
-    def seq_lens(self) -> list[int]:
-        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+    addressing: Addressing
 
 
 class AttentionBackend(ABC):
     """Attention over one KV cache manager's memory (one per engine)."""
 
-    #: short name shown in logs and benchmarks
+    #: short name shown in logs and benchmarks ("virtual-cpu", "paged-triton", ...)
     name: str
+    #: whether a decode step can be captured in a CUDA graph (see vmkv.engine.cuda_graphs)
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def prepare(

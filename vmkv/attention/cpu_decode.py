@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vmkv.kernels import cpu_attention
+from vmkv.kv.addressing import Addressing
 
 
 @dataclass
@@ -31,19 +33,27 @@ def use_kernel(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and cpu_attention.available()
 
 
-def decode_positions(query_lens: list[int]) -> tuple[list[int], list[int]]:
-    """(indices of decoding requests, query row of each), in batch order."""
+def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
+                 ) -> DecodeBatch | None:
+    """The one-token requests of a step, addressed for the kernel; None when there are none."""
     idx, rows, pos = [], [], 0
     for i, n in enumerate(query_lens):
         if n == 1:
             idx.append(i)
             rows.append(pos)
         pos += n
-    return idx, rows
-
-
-def query_rows(rows: list[int], num_tokens: int) -> torch.Tensor | None:
-    return None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.int64)
+    if not idx:
+        return None
+    sel = np.asarray(idx)
+    batch = DecodeBatch(
+        query_rows=None if len(rows) == pos else torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor([context_lens[i] + 1 for i in idx], dtype=torch.int32))
+    if addr.paged:
+        batch.block_table = torch.from_numpy(np.ascontiguousarray(addr.block_table[sel]))
+        batch.block_size = addr.block_size
+    else:
+        batch.starts = torch.from_numpy(addr.slot_ids[sel] * addr.slot_tokens)
+    return batch
 
 
 def run(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -56,17 +66,3 @@ def run(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch
         out.copy_(res)
     else:
         out.index_copy_(0, batch.query_rows, res)
-
-
-def write_and_decode(meta: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float) -> torch.Tensor:
-    """The part of a CPU layer step both modes share: store the new K/V rows, allocate the
-    output ``[T, heads*D]`` and fill the decode rows with one kernel call (prefill rows are the
-    caller's)."""
-    k_flat.index_copy_(0, meta.write_rows, k)
-    v_flat.index_copy_(0, meta.write_rows, v)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    batch = meta.extra.get("decode")
-    if batch is not None:
-        run(batch, q, k_flat, v_flat, out, scale)
-    return out

@@ -1,19 +1,14 @@
 """Attention of one sequence's new tokens over its cached K/V with torch SDPA (any device).
 
-Used by the CPU backends of both modes and the CUDA backends' SDPA fallback; the difference
-between modes is only how the ``[seq_len, kv_heads, head_dim]`` K/V arrive here (a strided view
-of a slot: :func:`attend_rows`, or a gather: :func:`attend_gathered`).
+Used by the CPU backend for prefill chunks and by the CUDA backend's SDPA fallback; the
+difference between modes is only how the ``[seq_len, kv_heads, head_dim]`` K/V arrive here (a
+strided view of a slot, or a gather through a block table: :func:`attend_each`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from vmkv.attention.base import AttentionMetadata
 
 
 def attend_one(
@@ -51,28 +46,20 @@ def _prefill(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, context_len: 
                                           enable_gqa=group > 1)
 
 
-def attend_rows(out: torch.Tensor, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *, skip_decode: bool = False) -> None:
-    """Fill ``out [T, Hq*D]`` request by request; request i's keys are the contiguous rows
-    ``k_flat[start : start + length]`` of ``meta.seq_rows[i]`` (virtual mode). With
-    ``skip_decode`` one-token requests are left alone (a decode kernel wrote them)."""
+def attend_each(out: torch.Tensor, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                context_lens: list[int], query_lens: list[int],
+                seq_rows: list[slice | torch.Tensor], scale: float, *,
+                skip_decode: bool = False) -> None:
+    """Fill ``out [T, Hq*D]`` request by request. Request i's keys are ``k_flat[seq_rows[i]]``:
+    a slice of contiguous rows (virtual slots: a view, no copy) or an index tensor (block
+    tables: a gather). With ``skip_decode`` one-token requests are left alone (a decode kernel
+    wrote them)."""
     pos = 0
-    for (start, length), ctx, n in zip(meta.seq_rows, meta.context_lens, meta.query_lens,
-                                       strict=True):
+    for rows, ctx, n in zip(seq_rows, context_lens, query_lens, strict=True):
         if n > 1 or not skip_decode:
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_flat[start : start + length],
-                                            v_flat[start : start + length], ctx, scale)
+            if isinstance(rows, slice):
+                k, v = k_flat[rows], v_flat[rows]  # [len, Hkv, D] views
+            else:
+                k, v = k_flat.index_select(0, rows), v_flat.index_select(0, rows)
+            out[pos : pos + n] = attend_one(q[pos : pos + n], k, v, ctx, scale)
         pos += n
-
-
-def attend_gathered(out: torch.Tensor, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                    meta: AttentionMetadata, lengths: list[int], scale: float) -> None:
-    """Fill ``out [T, Hq*D]`` request by request from gathered keys: request i's are the next
-    ``lengths[i]`` rows of ``k_all`` (paged mode); a request with length 0 was not gathered."""
-    pos = kv_pos = 0
-    for ctx, n, length in zip(meta.context_lens, meta.query_lens, lengths, strict=True):
-        if length:
-            out[pos : pos + n] = attend_one(q[pos : pos + n], k_all[kv_pos : kv_pos + length],
-                                            v_all[kv_pos : kv_pos + length], ctx, scale)
-        pos += n
-        kv_pos += length

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from vmkv.kv import KVSpec, PagedKVCache, VirtualKVCache
+from vmkv.config import CacheConfig
+from vmkv.kv import KVCacheManager, KVSpec, KVUsage, create_kv_cache
 from vmkv.kv.spec import LAYOUTS, VirtualLayout
-from vmkv.memory import PagePool
-from vmkv.memory.host import HostMemoryBackend
 
 SEED_LENGTHS = (37, 512, 128, 64, 900, 41, 1503, 72)  # the seed's example
 #: KV shape of the default model, SmolLM2-135M (30 layers, 3 KV heads of 64)
@@ -31,37 +30,40 @@ def naive_fraction(lengths: list[int], max_len: int) -> float:
 
 def paged_fraction(lengths: list[int], spec: KVSpec, block_size: int) -> dict[str, Any]:
     blocks = sum(-(-n // block_size) for n in lengths)
-    kv = PagedKVCache(spec, num_blocks=blocks, block_size=block_size,
-                      max_model_len=max(lengths))
-    for i, n in enumerate(lengths):
-        if not kv.allocate(f"r{i}", n):
-            raise AssertionError("the paged pool was sized to fit exactly")
-    usage = kv.usage
-    return {"bytes_in_use": usage.bytes_in_use, "useful_fraction": usage.useful_fraction}
+    config = CacheConfig(kv_mode="paged", kv_cache_memory=blocks * block_size *
+                         spec.bytes_per_token, block_size=block_size, enable_prefix_caching=False)
+    kv = create_kv_cache(config, spec, num_slots=len(lengths), max_model_len=max(lengths))
+    try:
+        usage = _fill(kv, lengths)
+        return {"bytes_in_use": usage.bytes_in_use, "useful_fraction": usage.useful_fraction}
+    finally:
+        kv.close()
 
 
 def virtual_fraction(lengths: list[int], spec: KVSpec, page_size: int, layout: str
                      ) -> dict[str, Any]:
     geometry = VirtualLayout(layout, spec, page_size, max(lengths))
     pages = sum(geometry.pages_for(n) for n in lengths) * geometry.num_regions
-    backend = HostMemoryBackend(page_size, pages)
-    pool = PagePool(backend, pages)
-    kv = VirtualKVCache(spec, pool=pool, num_slots=len(lengths), max_model_len=max(lengths),
-                        layout=layout)
+    config = CacheConfig(kv_mode="virtual", kv_cache_memory=pages * page_size,
+                         page_size=page_size, kv_layout=layout, enable_prefix_caching=False)
+    kv = create_kv_cache(config, spec, num_slots=len(lengths), max_model_len=max(lengths))
     try:
-        for i, n in enumerate(lengths):
-            if not kv.allocate(f"r{i}", n):
-                raise AssertionError("the virtual pool was sized to fit exactly")
-        usage = kv.usage
+        usage = _fill(kv, lengths)
         return {
             "bytes_in_use": usage.bytes_in_use,
             "useful_fraction": usage.useful_fraction,
             "tokens_per_page": page_size / geometry.row_bytes,
-            "maps": backend.stats.ops["map"].calls,
+            "maps": kv.memory_stats()["map"]["calls"],
         }
     finally:
         kv.close()
-        backend.close()
+
+
+def _fill(kv: KVCacheManager, lengths: list[int]) -> KVUsage:
+    for i, n in enumerate(lengths):
+        if not kv.allocate(f"r{i}", n):
+            raise AssertionError("the pool was sized to fit exactly")
+    return kv.usage
 
 
 def run(lengths: list[int], *, max_len: int = 2048, block_size: int = 16,

@@ -29,7 +29,7 @@ import torch
 
 from vmkv import envs
 from vmkv.attention.base import AttentionBackend
-from vmkv.attention.cuda_common import CudaAttentionBackend
+from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.staging import Field, layout
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models.llama import LlamaModel
@@ -92,10 +92,10 @@ class DecodeGraphRunner:
             :class:`TorchCudaGraph` on a shared pool).
     """
 
-    def __init__(self, model: LlamaModel, attn: AttentionBackend, *, max_batch_size: int,
+    def __init__(self, model: LlamaModel, attn: CudaAttentionBackend, *, max_batch_size: int,
                  batch_sizes: list[int] | None = None, mapper: BackgroundMapper | None = None,
                  graph_factory: Callable[[], Graph] | None = None) -> None:
-        if not isinstance(attn, CudaAttentionBackend) or not attn.supports_cuda_graphs:
+        if not attn.supports_cuda_graphs:
             raise ValueError(f"attention backend {getattr(attn, 'name', attn)!r} cannot be "
                              "captured in a CUDA graph (needs a batched kernel and the Triton "
                              "K/V write)")
@@ -196,7 +196,7 @@ def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
     :class:`DecodeGraphRunner` (tests)."""
     if model.device.type != "cuda" or not envs.cuda_graphs():
         return None
-    if not isinstance(attn, CudaAttentionBackend) or not attn.supports_cuda_graphs:
+    if not attn.supports_cuda_graphs:
         logger.warning("CUDA graphs off: attention backend %s cannot be captured",
                        getattr(attn, "name", attn))
         return None

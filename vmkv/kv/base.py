@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vmkv.kv.addressing import Addressing
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
 
@@ -129,7 +130,18 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V cache tensors of one layer (mode-specific shapes, see the subclasses)."""
+        """K and V of one layer as ``[outer, inner, kv_head, head_dim]`` views (slots x
+        slot tokens, or blocks x block size; see :mod:`vmkv.kv.addressing`)."""
+
+    @abstractmethod
+    def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
+                   full_width: bool = False) -> Addressing:
+        """Where the step's requests' K/V rows live (slot ids, or a block table).
+
+        ``context_lens`` (tokens each had before this step) lets a manager refresh only what
+        this step may have changed; ``full_width`` sizes a block table for ``max_model_len``
+        (the fixed layout a CUDA graph was captured with).
+        """
 
     @property
     @abstractmethod

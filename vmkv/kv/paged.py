@@ -13,9 +13,12 @@ appends at the tail, a request's blocks in reverse order (its deepest blocks are
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from vmkv.kv.addressing import BlockAddressing
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
@@ -63,6 +66,40 @@ class BlockPool:
             self.free_queue.append(block)
 
 
+class BlockTableMirror:
+    """numpy copies of the block tables (lists, the manager's truth), refreshed incrementally.
+
+    An entry holds the list object it copied: a new list (new request, fork, swap-in,
+    readmission) is copied whole, the same list only from ``first_dirty`` on (growth appends
+    there and copy-on-write replaces the partial last block there), so a decode step costs
+    O(batch), not O(tokens).
+    """
+
+    def __init__(self, lists: dict[str, list[int]]) -> None:
+        self.lists = lists
+        self._cache: dict[str, tuple[list[int], np.ndarray, int]] = {}
+
+    def get(self, request_id: str, first_dirty: int) -> np.ndarray:
+        """Request ``request_id``'s table as int32 ``[num_blocks]`` (a view: do not keep)."""
+        table = self.lists[request_id]
+        n = len(table)
+        entry = self._cache.get(request_id)
+        if entry is None or entry[0] is not table:
+            arr = np.empty(max(16, 2 * n), dtype=np.int32)
+            arr[:n] = table
+        else:
+            _, arr, valid = entry
+            if n > len(arr):
+                arr = np.resize(arr, 2 * n)
+            lo = min(first_dirty, valid, n)
+            arr[lo:n] = table[lo:n]
+        self._cache[request_id] = (table, arr, n)
+        return arr[:n]
+
+    def forget(self, request_id: str) -> None:
+        self._cache.pop(request_id, None)
+
+
 class PagedKVCache(KVCacheManager):
     """Block-table KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
 
@@ -91,6 +128,8 @@ class PagedKVCache(KVCacheManager):
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.block_tables: dict[str, list[int]] = {}
+        self.tables = BlockTableMirror(self.block_tables)
+        self.max_blocks = -(-max_model_len // block_size)
         self._num_tokens: dict[str, int] = {}
         if enable_prefix_caching:
             self.prefix = PrefixCaching(BlockUnits(self), prefix_cache_hash)
@@ -116,6 +155,19 @@ class PagedKVCache(KVCacheManager):
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
+
+    def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
+                   full_width: bool = False) -> BlockAddressing:
+        """The step's block table ``[B, W]`` (``W`` = the longest table, or ``max_blocks``),
+        refreshed from the block holding each request's first new token on."""
+        bs = self.block_size
+        tables = [self.tables.get(rid, c // bs) for rid, c in zip(request_ids, context_lens,
+                                                                  strict=True)]
+        width = self.max_blocks if full_width else max((len(t) for t in tables), default=1)
+        block_table = np.zeros((len(tables), max(width, 1)), dtype=np.int32)  # [B, W]
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        return BlockAddressing(block_table, bs)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_blocks, block_size, kv_head, head_dim]`` K and V of ``layer``."""
@@ -183,6 +235,7 @@ class PagedKVCache(KVCacheManager):
 
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id)
+        self.tables.forget(request_id)
         del self._num_tokens[request_id]
         for block in reversed(table):  # all or nothing; tail blocks reach the queue first
             self.pool.release(block)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from vmkv.kv.addressing import SlotAddressing
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.regions import RegionGroup
@@ -179,6 +180,12 @@ class VirtualKVCache(KVCacheManager):
     # -- addressing ---------------------------------------------------------------------------
     def slot(self, request_id: str) -> int:
         return self.slots.slot_of[request_id]
+
+    def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
+                   full_width: bool = False) -> SlotAddressing:
+        slot_of = self.slots.slot_of
+        ids = np.fromiter((slot_of[r] for r in request_ids), np.int64, len(request_ids))
+        return SlotAddressing(ids, self.layout.slot_tokens)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_slots + 1, slot_tokens, kv_head, head_dim]`` strided K and V views of
@@ -428,6 +435,8 @@ class VirtualKVCache(KVCacheManager):
         assert refs.tolist() == self.pool.ref_cnt, "page ref counts disagree with mappings + cache"
 
     def close(self) -> None:
+        """Free every request, unmap and release every page, the reservations and the
+        backend's own resources (its pool file or anchor page)."""
         for rid in list(self.slots.slot_of):
             self.free(rid)
         if self.prefix is not None:
@@ -435,6 +444,7 @@ class VirtualKVCache(KVCacheManager):
         self._layer_views = []
         self.regions.close()
         self.pool.release_all_idle()
+        self.backend.close()
 
 
 class PageUnits:
