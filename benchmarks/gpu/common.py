@@ -122,40 +122,18 @@ def guard(res: Result, name: str, fn: Callable[[], Any]) -> Any:
 
 def time_ms(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10, inner: int = 1
             ) -> dict[str, float]:
-    """Median / min milliseconds per call of ``fn``; each of ``iters`` samples times ``inner``
-    back-to-back calls (CUDA events on the GPU, ``perf_counter`` on a CPU dry run)."""
-    import statistics
+    """Median / min milliseconds per call of ``fn`` on the check's device
+    (:func:`vmkv.bench.timing.time_ms`)."""
+    from vmkv.bench.timing import time_ms as timed
 
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        if ON_CPU:
-            t = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append((time.perf_counter() - t) * 1e3 / inner)
-            continue
-        import torch
-
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+    return timed(fn, DEVICE, warmup=warmup, iters=iters, inner=inner)
 
 
 def sync() -> None:
     """Wait for the device (nothing to wait for on a CPU dry run)."""
-    if not ON_CPU:
-        import torch
+    from vmkv.bench.timing import sync as sync_device
 
-        torch.cuda.synchronize()
+    sync_device(DEVICE)
 
 
 def step_budget(default: float) -> float:

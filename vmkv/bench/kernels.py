@@ -24,8 +24,7 @@ CUDA (when available): the Triton twins, see :mod:`vmkv.bench.kernels_cuda`.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ import torch
 from vmkv.attention import create_attention_backend
 from vmkv.bench.common import progress_bar
 from vmkv.bench.memory import SMOLLM2_135M
+from vmkv.bench.timing import call_ms
 from vmkv.config import CacheConfig
 from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
 
@@ -66,12 +66,6 @@ def _fill(kv: KVCacheManager, backend: Any, batch: int, context: int, seed: int)
         t.flatten(0, 1).index_copy_(0, rows, data)
 
 
-def _time_ms(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - start) / 1e6
-
-
 def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill_len: int,
                   layout: str, block_size: int, repeats: int, warmup: int, seed: int = 0
                   ) -> dict[str, Any]:
@@ -99,8 +93,8 @@ def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill
         for rep in range(warmup + repeats):
             for m in ("virtual", "paged") if rep % 2 == 0 else ("paged", "virtual"):
                 b, meta = backends[m], metas[m]
-                fwd = _time_ms(lambda b=b, meta=meta: b.forward(0, q, k, v, meta, scale))
-                pre = _time_ms(lambda b=b: b.prepare(ids, ctx, qlens))
+                fwd = call_ms(lambda b=b, meta=meta: b.forward(0, q, k, v, meta, scale))
+                pre = call_ms(lambda b=b: b.prepare(ids, ctx, qlens))
                 if rep >= warmup:
                     times[m].append(fwd)
                     prep[m].append(pre)

@@ -17,29 +17,14 @@ CPU tensors under ``TRITON_INTERPRET=1`` (wall-clock timing; for tests only).
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from vmkv.bench.kernels import NUM_HEADS
 from vmkv.bench.memory import SMOLLM2_135M
-
-
-def _time_ms(fn: Callable[[], Any], device: str, inner: int) -> float:
-    if device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / inner
-    t = time.perf_counter_ns()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter_ns() - t) / 1e6 / inner
+from vmkv.bench.timing import call_ms
 
 
 class _Layouts:
@@ -105,7 +90,7 @@ def measure_point(batch: int, context: int, phase: str, *, prefill_len: int = 25
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(warmup + repeats):
         for name in calls if rep % 2 == 0 else list(calls)[::-1]:
-            ms = _time_ms(calls[name], device, inner)
+            ms = call_ms(calls[name], device, inner)
             if rep >= warmup:
                 times[name].append(ms)
     row: dict[str, Any] = {"device": device, "phase": phase, "batch": batch, "context": context,
