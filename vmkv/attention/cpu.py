@@ -57,12 +57,16 @@ class CpuAttentionBackend(AttentionBackend):
         return CpuStepMetadata(list(request_ids), list(context_lens), list(query_lens),
                                torch.from_numpy(addr.rows(req, pos)), addr, decode, seq_rows)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert isinstance(meta, CpuStepMetadata)
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
         k_flat, v_flat = self._flat[layer]
         k_flat.index_copy_(0, meta.write_rows, k)
         v_flat.index_copy_(0, meta.write_rows, v)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float
+               ) -> torch.Tensor:
+        assert isinstance(meta, CpuStepMetadata)
+        k_flat, v_flat = self._flat[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         if meta.decode is not None:
             cpu_decode.run(meta.decode, q, k_flat, v_flat, out, scale)
