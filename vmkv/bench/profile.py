@@ -16,7 +16,9 @@ and each step's wall time is split into parts that add up to it exactly:
     engine_python  the rest of the step: scheduler, KV manager, step metadata, outputs
 
 Timing wraps each part's entry point for the measurement only (wall clock, ``perf_counter_ns``;
-the wrappers cost ~1 us per call). ``cores_idle`` is the share of the step's core-time no thread
+the wrappers cost ~1 us per call). Compiled layers are measured too: their linears and their
+attention are opaque calls the wrappers still see, and glue is what the fused code spends
+around them. ``cores_idle`` is the share of the step's core-time no thread
 of this process spent running (1 - process CPU time / (wall x threads)): waiting, not working.
 
 Rooflines, measured on this machine in the same run: FLOPs / the linear backend's rate on a
@@ -38,6 +40,8 @@ from typing import Any
 import torch
 
 from vmkv.bench.timing import call_ms
+from vmkv.models import linear as linear_module
+from vmkv.models.linear import PackedLinear
 
 PARTS = ("gemm", "lm_head", "attention", "kv_write", "glue", "sampler", "engine_python")
 COLUMNS = ("phase", "part", "ms", "share_%", "roofline_ms", "x_roofline")
@@ -54,34 +58,46 @@ class StepTimer:
         self.ns: dict[str, int] = {}
         self.flops: dict[str, int] = {"gemm": 0, "lm_head": 0}
         self._undo: list[Callable[[], None]] = []
+        self._in_lm_head = False
         model = engine.model
-        for layer in model.layers:
-            for module in layer.modules():
-                if hasattr(module, "in_features") and hasattr(module, "out_features"):
-                    self._wrap(module, "forward", "gemm", module.in_features,
-                               module.out_features)
-        self._wrap(model, "compute_logits", "lm_head", model.config.hidden_size,
-                   model.config.vocab_size)
+        if any(isinstance(m, PackedLinear) for m in model.modules()):
+            # every oneDNN linear, eager or called from compiled layers, goes through this
+            self._wrap(linear_module, "_onednn_linear", "gemm", gemm=True)
+        else:  # plain nn.Linear layers (eager only: compiled ones are fused out of reach)
+            for layer in model.layers:
+                for module in layer.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        self._wrap(module, "forward", "gemm", gemm=True)
+        self._wrap(model, "compute_logits", "lm_head", gemm=True)
         self._wrap(model, "forward", "forward")
         self._wrap(engine.attn, "write_kv", "kv_write")
         self._wrap(engine.attn, "attend", "attention")
         self._wrap(engine, "_sample", "sampler")
 
-    def _wrap(self, obj: Any, method: str, part: str, fan_in: int = 0, fan_out: int = 0
-              ) -> None:
+    def _wrap(self, obj: Any, method: str, part: str, *, gemm: bool = False) -> None:
+        """Time ``obj.method`` into ``part`` (a GEMM's FLOPs from its input and output
+        shapes); the LM head's own linear is the LM head's, not a layer GEMM."""
         inner = getattr(obj, method)
 
         @functools.wraps(inner)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if part == "gemm" and self._in_lm_head:
+                return inner(*args, **kwargs)
+            self._in_lm_head = part == "lm_head"
             start = time.perf_counter_ns()
-            out = inner(*args, **kwargs)
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self._in_lm_head = False
             self.ns[part] = self.ns.get(part, 0) + time.perf_counter_ns() - start
-            if fan_in:
-                self.flops[part] += 2 * args[0].shape[0] * fan_in * fan_out
+            if gemm:  # x [M, K] -> out [M, N]: 2 M K N
+                self.flops[part] += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
             return out
 
+        had_own = method in vars(obj)
         setattr(obj, method, timed)
-        self._undo.append(lambda: delattr(obj, method))
+        self._undo.append(lambda: setattr(obj, method, inner) if had_own
+                          else delattr(obj, method))
 
     def step(self) -> dict[str, float]:
         """Run one engine step; its parts in ms, plus ``step_ms``, FLOPs and idle share."""
@@ -244,6 +260,7 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      "x_roofline": phase["step_ms"] / sum(roof.values())})
     engine.close()
     return {"bench": "profile", "rates": rates, "kv_mode": config.kv_mode,
+            "compiled": engine.compiled,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "scenario": {"batch": batch, "context": context, "prefill_batch": prefill_batch,
                          "prefill_len": prefill_len, "repeats": repeats, "warmup": warmup},
