@@ -218,10 +218,13 @@ def profile_prefill(engine: Any, timer: StepTimer, *, batch: int, length: int, r
 
 
 def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int = 8,
-        prefill_len: int = 256, repeats: int = 5, warmup: int = 2) -> dict[str, Any]:
+        prefill_len: int = 256, repeats: int = 5, warmup: int = 2,
+        prefill_kernel: bool = True) -> dict[str, Any]:
     """Profile a decode step and a prefill step of an engine built from ``config`` (an
     :class:`~vmkv.config.EngineConfig`; its ``max_num_seqs``/``max_num_batched_tokens``/
-    ``max_model_len`` are raised to fit the scenario, prefix caching is turned off)."""
+    ``max_model_len`` are raised to fit the scenario, prefix caching is turned off).
+    ``prefill_kernel=False`` sends CPU prefill chunks to per-request SDPA instead of the
+    batched kernel (to see what the kernel is worth)."""
     from dataclasses import replace
 
     from vmkv.engine.llm_engine import LLMEngine
@@ -233,6 +236,8 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      max_model_len=max(config.max_model_len or 0,
                                        context + warmup + repeats + 8, prefill_len + 8))
     engine = LLMEngine(config)
+    if not prefill_kernel and hasattr(engine.attn, "batched_prefill"):
+        engine.attn.batched_prefill = False
     rates = machine_rates(config.linear_backend)
     rng = torch.Generator().manual_seed(0)
     timer = StepTimer(engine)
@@ -260,7 +265,7 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      "x_roofline": phase["step_ms"] / sum(roof.values())})
     engine.close()
     return {"bench": "profile", "rates": rates, "kv_mode": config.kv_mode,
-            "compiled": engine.compiled,
+            "compiled": engine.compiled, "prefill_kernel": prefill_kernel,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "scenario": {"batch": batch, "context": context, "prefill_batch": prefill_batch,
                          "prefill_len": prefill_len, "repeats": repeats, "warmup": warmup},
