@@ -177,7 +177,9 @@ def profile_decode(engine: Any, timer: StepTimer, *, batch: int, context: int, r
     from vmkv.sampling_params import SamplingParams
 
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + repeats + 2, ignore_eos=True)
+    # requests prefilled first decode while the rest prefill: room for all of it
+    max_tokens = warmup + repeats + prefill_steps(engine, batch * context) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, _prompt(rng, context, vocab), params)
@@ -187,12 +189,23 @@ def profile_decode(engine: Any, timer: StepTimer, *, batch: int, context: int, r
         engine.step()
     for _ in range(warmup):
         engine.step()
-    samples = [timer.step() for _ in range(repeats)]
+    samples = []
+    for _ in range(repeats):
+        if len(sched.running) != batch:
+            raise RuntimeError(f"{len(sched.running)} requests decode, not {batch}: raise "
+                               "max_model_len or the KV budget")
+        samples.append(timer.step())
+    held = [engine.scheduler.running[i].num_tokens for i in range(batch)]
     for rid in ids:
         engine.abort_request(rid)
-    mid = context + warmup + repeats // 2  # tokens each request holds mid-measurement
+    mid = sum(held) // batch - repeats // 2  # tokens each request holds mid-measurement
     return {"phase": "decode", "new_tokens": batch, "kv_tokens_read": batch * mid,
             "attended_pairs": batch * mid, "sampled": batch, **_median_parts(samples)}
+
+
+def prefill_steps(engine: Any, tokens: int) -> int:
+    """Steps the scheduler needs to prefill ``tokens`` prompt tokens."""
+    return -(-tokens // engine.config.max_num_batched_tokens)
 
 
 def profile_prefill(engine: Any, timer: StepTimer, *, batch: int, length: int, repeats: int,
@@ -233,8 +246,8 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      max_num_seqs=max(config.max_num_seqs, batch, prefill_batch),
                      max_num_batched_tokens=max(config.max_num_batched_tokens,
                                                 prefill_batch * prefill_len),
-                     max_model_len=max(config.max_model_len or 0,
-                                       context + warmup + repeats + 8, prefill_len + 8))
+                     max_model_len=max(config.max_model_len or 0, prefill_len + 8,
+                                       2 * context + warmup + repeats + 8))
     engine = LLMEngine(config)
     if not prefill_kernel and hasattr(engine.attn, "batched_prefill"):
         engine.attn.batched_prefill = False
