@@ -8,14 +8,21 @@
 // Same loops, same arithmetic order in both modes, so both produce bit-identical outputs for the
 // same data. Nothing at or past seq_lens[b] is read. float32 only (these CPUs have no fast bf16).
 //
-// Built by vmkv/kernels/cpu_attention.py with g++ -O3 -fopenmp into a cached shared library and
-// called through ctypes: no torch headers, so it compiles in about a second.
+// Built by vmkv/kernels/cpu_attention.py with g++ -O3 -march=native -fopenmp into a cached shared
+// library and called through ctypes: no torch headers, so it compiles in about a second. Where
+// the CPU has AVX-512 the inner loops are intrinsics (scores as one FMA chain per row, the
+// tile's exponentials 16 lanes at a time, accumulators held in registers across a tile: the
+// compiler kept them in memory and the exponentials scalar); elsewhere portable loops.
 
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -37,97 +44,6 @@ inline void prefetch_row(const float* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-template <bool PAGED>
-void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float* k,
-            const float* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
-            const int32_t* table, int64_t table_stride, int64_t block_size,
-            const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-            float scale, float* out, int64_t out_stride_b, int64_t out_stride_h) {
-  const int64_t group = heads / kv_heads;
-  const int64_t row_bytes = ((kv_heads - 1) * stride_head + dim) * 4;
-#pragma omp parallel
-  {
-    std::vector<float> p(static_cast<size_t>(heads * kTile));  // [heads, tile] probabilities
-    std::vector<float> acc;  // [heads, dim]
-    std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
-    std::vector<int64_t> rows(static_cast<size_t>(kTile));
-    // One request per iteration, tokens in tiles (online softmax): a tile's K rows are read,
-    // then the same tokens' V rows while their pages are still in the TLB. Every token's row
-    // (all KV heads) is touched once for K and once for V — this matters when rows are far
-    // apart: the all-layers layout's token stride is L*2*H*D elements, a 4 KiB page per token.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t len = seq_lens[b];
-      acc.assign(static_cast<size_t>(heads * dim), 0.0f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      const float* qb = q + b * q_stride_b;
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-        const int64_t n = len - t0 < kTile ? len - t0 : kTile;
-        for (int64_t j = 0; j < n; ++j) {
-          rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
-          prefetch_row(k + rows[j] * stride_row, row_bytes);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kr = k + rows[j] * stride_row;
-          prefetch_row(v + rows[j] * stride_row, row_bytes);
-          for (int64_t hq = 0; hq < heads; ++hq) {
-            const float* kh = kr + (hq / group) * stride_head;
-            const float* qh = qb + hq * q_stride_h;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
-            p[hq * kTile + j] = dot * scale;
-          }
-        }
-        for (int64_t hq = 0; hq < heads; ++hq) {  // online softmax update
-          float* ph = p.data() + hq * kTile;
-          float tile_max = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) tile_max = ph[j] > tile_max ? ph[j] : tile_max;
-          const float m_new = tile_max > m[hq] ? tile_max : m[hq];
-          const float rescale = std::exp(m[hq] - m_new);  // exp(-inf) = 0 on the first tile
-          float tile_sum = 0.0f;
-          for (int64_t j = 0; j < n; ++j) {
-            ph[j] = std::exp(ph[j] - m_new);
-            tile_sum += ph[j];
-          }
-          sum[hq] = sum[hq] * rescale + tile_sum;
-          m[hq] = m_new;
-          if (rescale != 1.0f) {
-            float* a = acc.data() + hq * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-          }
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = v + rows[j] * stride_row;
-          for (int64_t hq = 0; hq < heads; ++hq) {
-            const float* vh = vr + (hq / group) * stride_head;
-            const float pj = p[hq * kTile + j];
-            float* a = acc.data() + hq * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += pj * vh[d];
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* o = out + b * out_stride_b + hq * out_stride_h;
-        const float* a = acc.data() + hq * dim;
-        const float inv = len > 0 ? 1.0f / sum[hq] : 0.0f;
-        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
-      }
-    }
-  }
-}
-
-// Prefill chunks: entry b brings q_lens[b] query tokens (rows q_start[b] .. of q and out)
-// after ctx = seq_lens[b] - q_lens[b] cached ones; query i (position ctx + i) sees keys 0 .. ctx + i.
-// One task per (request, tile of kQTile queries, kv head): its group's query heads x queries
-// are the rows of a flash-attention loop over key tiles of kKTile tokens. Scores are outer
-// products (q broadcast, the key tile transposed so its kKTile tokens are contiguous), the
-// value update a broadcast of p over a value row: both vectorise without horizontal sums.
-constexpr int64_t kQTile = 16;  // query tokens per task
-
 // exp(x) for x <= 0 that vectorises (glibc's expf does not, outside -ffast-math):
 // 2^(x log2 e) = 2^i * 2^f with f in [0, 1) from a degree-6 polynomial fitted in relative
 // error; within 1.1e-7 of exp (float32 rounding: 6e-8), 0 below x = -87.
@@ -147,7 +63,189 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&two_i, &bits, sizeof(two_i));
   return p * two_i;
 }
-constexpr int64_t kKTile = 32;  // key tokens per tile
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (same polynomial).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(2.1683431e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2437946e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6799853e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5482150e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023031e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314691e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// One row's online-softmax step over a tile of scores pr[0 .. kTile) of which the first
+// `visible` count: pr becomes the probabilities (0 past visible), the running max m and sum l
+// move on, and the row's accumulator acc[0 .. dim) is rescaled to the new max.
+inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, float* acc,
+                             int64_t dim) {
+  float tile_max = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, pr[j]);
+  const float m_new = std::max(m, tile_max);
+  const float rescale = std::exp(m - m_new);  // exp(-inf) = 0 on the first tile
+  float tile_sum = 0.0f;
+#if defined(__AVX512F__)
+  static_assert(kTile % 16 == 0, "tiles are whole 16-lane vectors");
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < kTile; j0 += 16) {
+    const int64_t live = std::clamp<int64_t>(visible - j0, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(pr + j0), _mm512_set1_ps(m_new));
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive16(x));
+    _mm512_storeu_ps(pr + j0, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  tile_sum = _mm512_reduce_add_ps(sums);
+#else
+#pragma omp simd reduction(+ : tile_sum)
+  for (int64_t j = 0; j < kTile; ++j) {
+    const float e = j < visible ? exp_nonpositive(pr[j] - m_new) : 0.0f;
+    pr[j] = e;
+    tile_sum += e;
+  }
+#endif
+  l = l * rescale + tile_sum;
+  m = m_new;
+  if (rescale != 1.0f) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
+  }
+}
+// Scores of a tile: p[r * kTile + j] = q_r . k_j for the group's rows r and tokens j < n.
+inline void tile_scores(const float* qs, int64_t group, int64_t dim, const float* const* krow,
+                        int64_t n, float* p) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {  // one 16-lane FMA chain per (row, token), one reduction at the end
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = krow[j];
+      for (int64_t r = 0; r < group; ++r) {
+        const float* qr = qs + r * dim;
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+        for (int64_t d = 16; d < dim; d += 16) {
+          s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), s);
+        }
+        p[r * kTile + j] = _mm512_reduce_add_ps(s);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < group; ++r) {
+      const float* qr = qs + r * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * krow[j][d];
+      p[r * kTile + j] = dot;
+    }
+  }
+}
+
+// acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n.
+inline void tile_values(const float* p, int64_t group, int64_t dim, const float* const* vrow,
+                        int64_t n, float* acc) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {  // each 16-lane piece of acc stays in a register across the tile
+    for (int64_t r = 0; r < group; ++r) {
+      const float* pr = p + r * kTile;
+      for (int64_t d = 0; d < dim; d += 16) {
+        float* a = acc + r * dim + d;
+        __m512 av = _mm512_loadu_ps(a);
+        for (int64_t j = 0; j < n; ++j) {
+          av = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vrow[j] + d), av);
+        }
+        _mm512_storeu_ps(a, av);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < group; ++r) {
+      const float pj = p[r * kTile + j];
+      float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += pj * vrow[j][d];
+    }
+  }
+}
+
+template <bool PAGED>
+void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float* k,
+            const float* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+            const int32_t* table, int64_t table_stride, int64_t block_size,
+            const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+            float scale, float* out, int64_t out_stride_b, int64_t out_stride_h) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_bytes = dim * 4;
+#pragma omp parallel
+  {
+    std::vector<float> qs(static_cast<size_t>(group * dim));     // [group, dim], scaled
+    std::vector<float> acc(static_cast<size_t>(group * dim));    // [group, dim]
+    std::vector<float> p(static_cast<size_t>(group * kTile));    // [group, tile]
+    std::vector<float> m(static_cast<size_t>(group)), sum(static_cast<size_t>(group));
+    std::vector<const float*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
+    // One task per (request, KV head): the group's query heads share every K and V row read.
+    // Tokens go in tiles (online softmax): a tile's K rows, then the same tokens' V rows while
+    // their pages are still in the TLB; the tile's exponentials are one vector loop.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * kv_heads; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+      const int64_t len = seq_lens[b];
+      for (int64_t r = 0; r < group; ++r) {
+        const float* src = q + b * q_stride_b + (kvh * group + r) * q_stride_h;
+        float* dst = qs.data() + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+        const int64_t n = len - t0 < kTile ? len - t0 : kTile;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t row = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
+          krow[j] = k + row * stride_row + kvh * stride_head;
+          vrow[j] = v + row * stride_row + kvh * stride_head;
+          prefetch_row(krow[j], head_bytes);
+        }
+        for (int64_t j = 0; j < n; ++j) prefetch_row(vrow[j], head_bytes);
+        tile_scores(qs.data(), group, dim, krow.data(), n, p.data());
+        for (int64_t r = 0; r < group; ++r) {
+          softmax_tile_row(p.data() + r * kTile, n, m[r], sum[r], acc.data() + r * dim, dim);
+        }
+        tile_values(p.data(), group, dim, vrow.data(), n, acc.data());
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        float* o = out + b * out_stride_b + (kvh * group + r) * out_stride_h;
+        const float* a = acc.data() + r * dim;
+        const float inv = len > 0 ? 1.0f / sum[r] : 0.0f;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
+      }
+    }
+  }
+}
+
+// Prefill chunks: entry b brings q_lens[b] query tokens (rows q_start[b] .. of q and out)
+// after ctx = seq_lens[b] - q_lens[b] cached ones; query i (position ctx + i) sees keys 0 .. ctx + i.
+// One task per (request, tile of kQTile queries, kv head): its group's query heads x queries
+// are the rows of a flash-attention loop over key tiles of kKTile tokens. Scores are outer
+// products (q broadcast, the key tile transposed so its kKTile tokens are contiguous), the
+// value update a broadcast of p over a value row: both vectorise without horizontal sums.
+constexpr int64_t kQTile = 16;  // query tokens per task
+
+constexpr int64_t kKTile = kTile;  // key tokens per tile (tile_values' p layout)
 
 template <bool PAGED>
 void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float* k,
@@ -175,6 +273,7 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
     std::vector<float> kt(static_cast<size_t>(dim * kKTile));     // [dim, tile]
     std::vector<float> m(static_cast<size_t>(max_rows)), l(static_cast<size_t>(max_rows));
     std::vector<int64_t> rows(static_cast<size_t>(kKTile));
+    std::vector<const float*> vrow(static_cast<size_t>(kKTile));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task_b[task / kv_heads], q0 = task_q0[task / kv_heads];
@@ -205,6 +304,17 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
         for (int64_t r = 0; r < nrows; ++r) {  // scores, masked, online softmax
           float* sr = s.data() + r * kKTile;
           const float* qr = qs.data() + r * dim;
+#if defined(__AVX512F__)
+          static_assert(kKTile == 32, "two 16-lane score vectors per row");
+          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dim; ++d) {
+            const __m512 qd = _mm512_set1_ps(qr[d]);
+            s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt.data() + d * kKTile), s0);
+            s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt.data() + d * kKTile + 16), s1);
+          }
+          _mm512_storeu_ps(sr, s0);
+          _mm512_storeu_ps(sr + 16, s1);
+#else
 #pragma omp simd
           for (int64_t j = 0; j < kKTile; ++j) sr[j] = 0.0f;
           for (int64_t d = 0; d < dim; ++d) {
@@ -213,36 +323,12 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
 #pragma omp simd
             for (int64_t j = 0; j < kKTile; ++j) sr[j] += qd * kd[j];
           }
+#endif
           const int64_t visible = std::min(nk, ctx + q0 + r / group + 1 - k0);  // causal
-          float tile_max = -INFINITY;
-          for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sr[j]);
-          const float m_new = std::max(m[r], tile_max);
-          const float rescale = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
-          float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-          for (int64_t j = 0; j < kKTile; ++j) {
-            const float p = j < visible ? exp_nonpositive(sr[j] - m_new) : 0.0f;
-            sr[j] = p;
-            tile_sum += p;
-          }
-          l[r] = l[r] * rescale + tile_sum;
-          m[r] = m_new;
-          if (rescale != 1.0f) {
-            float* a = acc.data() + r * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-          }
+          softmax_tile_row(sr, visible, m[r], l[r], acc.data() + r * dim, dim);
         }
-        for (int64_t j = 0; j < nk; ++j) {  // acc += P V
-          const float* vr = v + rows[j] * stride_row + kvh * stride_head;
-          for (int64_t r = 0; r < nrows; ++r) {
-            const float p = s[r * kKTile + j];
-            if (p == 0.0f) continue;  // masked (later queries of the tile only)
-            float* a = acc.data() + r * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * vr[d];
-          }
-        }
+        for (int64_t j = 0; j < nk; ++j) vrow[j] = v + rows[j] * stride_row + kvh * stride_head;
+        tile_values(s.data(), nrows, dim, vrow.data(), nk, acc.data());  // acc += P V
       }
       for (int64_t r = 0; r < nrows; ++r) {
         float* o = out + (q_start[b] + q0 + r / group) * out_stride_t +

@@ -17,6 +17,16 @@ from vmkv.kernels import cpu_attention
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler")
 
 
+@pytest.fixture(params=["native", "portable"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both code paths of the source: -march=native (AVX-512 intrinsics where the CPU has
+    them) and the portable loops (built with -mno-avx512f)."""
+    if request.param == "portable":
+        flags = (*cpu_attention.FLAGS, "-mno-avx512f")
+        monkeypatch.setattr(cpu_attention, "_lib", lambda: cpu_attention.build(flags))
+    return request.param
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[torch.Tensor],
               scale: float) -> torch.Tensor:
     return torch.cat([attend_one(q[b : b + 1], k[r], v[r], len(r) - 1, scale)
@@ -24,7 +34,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[torc
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 2)])
-def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int) -> None:
+def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int,
+                                                   kernel_build: str) -> None:
     torch.manual_seed(heads)
     batch, dim, slot, bs = 6, 64, 96, 16
     # an all-layers style view: token stride covers 4 layers x (k, v)
@@ -58,7 +69,8 @@ def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int) -
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 2)])
-def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads: int) -> None:
+def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads: int,
+                                                           kernel_build: str) -> None:
     torch.manual_seed(heads)
     dim, slot, bs = 64, 128, 16
     # (context, new tokens): fresh prompts, chunks after a context, tile edges (16, 17, 33)

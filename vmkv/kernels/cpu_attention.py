@@ -42,12 +42,21 @@ _PREFILL_ARGTYPES = _ARGTYPES[:11] + [_PTR, _PTR] + _ARGTYPES[11:]  # + q starts
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
+    return build(FLAGS)
+
+
+@functools.cache
+def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel library built with ``flags`` (cached); None without a working compiler.
+
+    The source has an AVX-512 path and a portable one (the compiler's choice by ``-march``);
+    tests build the portable one with ``-mno-avx512f`` on machines that have AVX-512."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         logger.warning("no C++ compiler: CPU decode attention falls back to per-request SDPA")
         return None
     try:
-        lib = load(build_shared_library(SOURCE, compiler, FLAGS, "vmkv_cpu_attention"))
+        lib = load(build_shared_library(SOURCE, compiler, flags, "vmkv_cpu_attention"))
     except (RuntimeError, OSError) as exc:
         logger.warning("CPU attention kernel unavailable (%s); using per-request SDPA", exc)
         return None
