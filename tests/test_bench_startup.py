@@ -13,8 +13,10 @@ def test_startup_in_a_fresh_process(default_model: Path, tmp_path: Path) -> None
     assert main(["bench", "startup", "--repeats", "1", "--max-model-len", "64",
                  "--kv-cache-memory", "16M", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    m = result["median"]
-    assert 0 < m["interpreter_s"] <= m["imports_s"] <= m["engine_s"] <= m["first_token_s"]
+    assert set(result["median"]) == {"cold", "warm"}
+    for m in result["median"].values():
+        assert 0 < m["interpreter_s"] <= m["imports_s"] <= m["engine_s"] <= m["first_token_s"]
+    assert [r["cache"] for r in result["rows"]] == ["cold", "warm", "cold", "warm"]
     assert result["engine_argv"] == ["--max-model-len", "64", "--kv-cache-memory", "16777216"]
 
 

@@ -163,7 +163,7 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
 
     argv = (["--model", args.model] if args.model else []) + common.engine_argv(args)
     result = {"bench": "startup", "options": common.options(args),
-              **startup.run(argv, repeats=args.repeats)}
+              **startup.run(argv, repeats=args.repeats, caches=args.compile_cache)}
     common.finish(result, result["rows"], startup.COLUMNS, args.json)
     return 0
 
@@ -288,6 +288,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile-cache", nargs="+", choices=("cold", "warm"),
+                   default=["cold", "warm"],
+                   help="TorchInductor cache states to time, alternated: cold (empty), warm "
+                        "(filled by an unrecorded run first)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_bench_startup)
 

@@ -8,14 +8,21 @@ each stage, so
     spawn -> imports done -> engine built -> first token
 
 are all measured from the parent's spawn (interpreter start-up included).
+
+A compiled CPU engine's start depends on TorchInductor's on-disk cache, so every run names its
+own ``TORCHINDUCTOR_CACHE_DIR``: **cold** runs get an empty one (a first start on a new
+machine), **warm** runs share one filled by an unrecorded run first (a restart). Cold and warm
+runs alternate.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,11 +50,13 @@ t["first_token"] = time.time()
 print("VMKV_STARTUP " + json.dumps(t))
 """
 
-def measure_once(engine_argv: Sequence[str], timeout: float = 600.0) -> dict[str, float]:
+def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
+                 env: dict[str, str] | None = None) -> dict[str, float]:
     """Seconds from spawn to each stage (cumulative) for one fresh process."""
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", _CHILD, *engine_argv], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMKV_STARTUP ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"start-up probe failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -56,14 +65,32 @@ def measure_once(engine_argv: Sequence[str], timeout: float = 600.0) -> dict[str
             "engine_s": t["engine"] - spawned, "first_token_s": t["first_token"] - spawned}
 
 
-def run(engine_argv: Sequence[str], *, repeats: int = 3) -> dict[str, Any]:
-    """``repeats`` fresh processes; rows of each and the medians."""
+CACHES = ("cold", "warm")
+
+
+def run(engine_argv: Sequence[str], *, repeats: int = 3,
+        caches: Sequence[str] = CACHES) -> dict[str, Any]:
+    """``repeats`` fresh processes per compile cache state (alternated); rows and medians."""
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
-    rows = [{"run": i, **measure_once(engine_argv)} for i in range(repeats)]
-    median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "run"}
-    return {"engine_argv": list(engine_argv), "rows": [*rows, {"run": "median", **median}],
+    unknown = set(caches) - set(CACHES)
+    if unknown or not caches:
+        raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="vmkv-startup-") as tmp:
+        warm = os.path.join(tmp, "warm")
+        if "warm" in caches:  # fill the shared cache (not recorded)
+            measure_once(engine_argv, env={"TORCHINDUCTOR_CACHE_DIR": warm})
+        for i in range(repeats):
+            for cache in caches:
+                cache_dir = warm if cache == "warm" else os.path.join(tmp, f"cold-{i}")
+                rows.append({"cache": cache, "run": i, **measure_once(
+                    engine_argv, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir})})
+    median = {cache: {k: statistics.median(r[k] for r in rows if r["cache"] == cache)
+                      for k in COLUMNS[2:]} for cache in caches}
+    return {"engine_argv": list(engine_argv),
+            "rows": [*rows, *({"cache": c, "run": "median", **m} for c, m in median.items())],
             "median": median}
 
 
-COLUMNS = ("run", "interpreter_s", "imports_s", "engine_s", "first_token_s")
+COLUMNS = ("cache", "run", "interpreter_s", "imports_s", "engine_s", "first_token_s")
