@@ -132,9 +132,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from vmkv.bench import common, kernels, plots
+    from vmkv.config import default_layout
 
     result = kernels.run(args.batch_sizes, args.context_lens, phases=args.phases,
-                         prefill_len=args.prefill_len, layout=args.kv_layout,
+                         prefill_len=args.prefill_len,
+                         layout=args.kv_layout or default_layout("cpu"),
                          block_size=args.block_size, repeats=args.repeats, warmup=args.warmup,
                          max_tokens=args.max_tokens, cuda=not args.no_cuda,
                          progress=not args.no_progress)
@@ -255,8 +257,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phases", type=lambda s: s.split(","),
                    default=["decode", "decode-sdpa", "prefill"])
     p.add_argument("--prefill-len", type=int, default=256, help="new tokens per prefill chunk")
-    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default="all-layers",
-                   help="virtual layout of the timed caches")
+    p.add_argument("--kv-layout", choices=["all-layers", "per-layer"], default=None,
+                   help="virtual layout of the timed caches (default: the engine's on the CPU, "
+                        "per-layer)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
