@@ -194,3 +194,78 @@ def test_failpoints_refuse_nonsense() -> None:
         faults.arm("map", "EIO")
     with pytest.raises(ValueError, match="only fail a map"):
         faults.arm("create", "BUDGET")
+
+
+# -- the engine on the default model: a refused page fails one request, the others go on ------
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small",
+           "The three primary colors are", "Water boils at a temperature of", "My favourite"]
+
+
+def _run(engine, params, faults: list[tuple[int, str, str]]) -> dict[str, object]:  # noqa: ANN001
+    """Run PROMPTS to completion, arming ``(step, op, error)`` failpoints at those steps."""
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    finished: dict[str, object] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for at, op, error in faults:
+            if at == step:
+                engine.kv.backend.faults.arm(op, error)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        engine.kv.check()  # exact after every step, faults or not
+        step += 1
+    engine.kv.backend.faults.disarm()
+    return finished
+
+
+@pytest.mark.usefixtures("default_model")
+def test_the_engine_fails_only_the_request_whose_memory_was_refused() -> None:
+    from vmkv import SamplingParams
+    from vmkv.config import EngineConfig
+    from vmkv.engine.llm_engine import LLMEngine
+
+    # room for ~2 of the 6 requests at once: growth, preemption and admission all allocate
+    # pages go back to the OS as requests finish (max_idle_memory=0): every growth creates
+    engine = LLMEngine(EngineConfig(max_model_len=96, max_num_seqs=6, kv_cache_memory=6 << 20,
+                                    max_idle_memory=0, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    clean = _run(engine, params, [])
+    assert engine.scheduler.stats.num_preemptions > 0
+    faulty = _run(engine, params, [(2, "map", "ENOMEM"), (12, "create", "EPERM"),
+                                   (30, "create", "ENOMEM")])
+    failed = {rid for rid, out in faulty.items() if out.error}
+    assert failed and len(failed) <= 3 and set(faulty) == set(clean)
+    assert engine.counters.finished["error"] >= len(failed)
+    for rid, out in faulty.items():
+        if rid in failed:
+            assert "KV cache memory error" in out.error and "failed: " in out.error
+            assert out.outputs[0].finish_reason == "error"
+        else:  # untouched by the faults: the same tokens as without them
+            assert out.outputs[0].token_ids == clean[rid].outputs[0].token_ids
+    assert engine.kv.usage.bytes_in_use == 0 and not engine.requests
+    engine.kv.check()
+    engine.close()
+
+
+@pytest.mark.usefixtures("default_model")
+def test_a_refused_fork_fails_the_request_not_the_engine() -> None:
+    from vmkv import SamplingParams
+    from vmkv.config import EngineConfig
+    from vmkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(max_model_len=64, max_num_seqs=8,
+                                    enable_prefix_caching=False))
+    engine.add_request("forked", "Hello there", SamplingParams(n=3, max_tokens=4, seed=1))
+    engine.add_request("plain", "Good morning", SamplingParams(max_tokens=4, temperature=0))
+    engine.kv.backend.faults.arm("map", "ENOMEM", after=2)  # the prefills map, then a fork
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.kv.check()
+    assert outs["forked"].error and all(c.finish_reason == "error"
+                                         for c in outs["forked"].outputs)
+    assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 4
+    assert engine.kv.usage.bytes_in_use == 0
+    engine.close()

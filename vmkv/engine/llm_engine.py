@@ -26,6 +26,7 @@ from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv import create_kv_cache
+from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
 from vmkv.sampling import Sampler, SamplingState
@@ -47,7 +48,7 @@ class EngineCounters:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
+        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
 
 class LLMEngine:
@@ -129,8 +130,9 @@ class LLMEngine:
         if len(ids) > self.kv.capacity_tokens:
             raise ValueError(f"the prompt ({len(ids)} tokens) can never fit in the KV cache "
                              f"({self.kv.capacity_tokens} tokens)")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (or None to share the "
+                             f"unsalted cache), got {cache_salt!r}")
         req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -182,18 +184,32 @@ class LLMEngine:
         req.seqs.append(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its KV now; None if it is unknown or already finished."""
+    def abort_request(self, request_id: str, stop_reason: str | None = None
+                      ) -> RequestOutput | None:
+        """Stop a request and free its KV now; None if it is unknown or already finished.
+
+        ``stop_reason`` says why in the output (the server uses "timeout" and "shutdown")."""
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self._finish_all(req, "abort", stop_reason)
+        return self._finish_request(req)
+
+    def _finish_all(self, req: Request, reason: str, stop_reason: str | None = None) -> None:
+        """Finish every unfinished sequence of ``req`` with ``reason``, freeing its KV."""
         for seq in req.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
                 self.scheduler.remove(seq)
-                self.counters.finished["abort"] += 1
-        return self._finish_request(req)
+                self.counters.finished[reason] += 1
+
+    def _fail_request(self, req: Request, exc: Exception, touched: dict[str, Request]) -> None:
+        """The OS/driver refused ``req``'s KV memory: it fails (every sample), others go on."""
+        logger.warning("request %s failed: %s", req.request_id, exc)
+        req.error = f"KV cache memory error: {exc}"
+        self._finish_all(req, "error")
+        touched[req.request_id] = req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -215,6 +231,11 @@ class LLMEngine:
             seq.pending_forks = 0
             self.counters.finished["length"] += 1
             touched[seq.request.request_id] = seq.request
+        for seq, exc in out.failed:
+            self.counters.finished["error"] += 1
+            self._fail_request(seq.request, exc, touched)
+        if out.failed:  # a failed request's other samples may be scheduled: they must not run
+            out.drop_finished()
         if out.scheduled:
             self.counters.steps += 1
             now = time.monotonic()
@@ -237,11 +258,16 @@ class LLMEngine:
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, seq in enumerate(ready):
-            seqs.append(seq)
-            rows.append(row)
-            for child in self._fork(seq):
-                seqs.append(child)
+            try:
+                children = self._fork(seq)
+            except VmmError as exc:
+                self._fail_request(seq.request, exc, touched)
+                continue
+            for s in (seq, *children):
+                seqs.append(s)
                 rows.append(row)
+        if not seqs:
+            return
         if len(rows) != len(ready):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, [s.sampling_state for s in seqs])
@@ -256,12 +282,19 @@ class LLMEngine:
             touched[req.request_id] = req
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """After the prompt, make the n-1 other samples share the parent's KV."""
+        """After the prompt, make the n-1 other samples share the parent's KV; VmmError when
+        the memory is refused (the request must fail)."""
         req, children = parent.request, []
         for index in range(1, parent.pending_forks + 1):
             child = self._new_sequence(req, index, list(parent.token_ids))
-            if not self.kv.fork(parent.seq_id, child.seq_id):
-                raise RuntimeError(f"fork of {parent.seq_id} failed although a slot was held")
+            try:
+                forked = self.kv.fork(parent.seq_id, child.seq_id)
+            except VmmError:
+                req.seqs.remove(child)
+                raise
+            if not forked:  # no slot (reserved at admission) or the mapping budget is spent
+                req.seqs.remove(child)
+                raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget left")
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add(child)
             children.append(child)
@@ -310,7 +343,7 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
                                  req.first_token_time, req.finish_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished, metrics, req.num_cached_tokens)
+                             finished, metrics, req.num_cached_tokens, req.error)
 
     def close(self) -> None:
         """Abort everything and release the KV memory."""

@@ -41,6 +41,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    error: str | None = None  # why the request failed (its KV memory was refused), if it did
 
     @property
     def is_finished(self) -> bool:
@@ -60,7 +61,7 @@ class Sequence:
     sampling_state: Any  # vmkv.sampling.SamplingState
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     output_text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
