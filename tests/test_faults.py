@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from fake_cuda_driver import FakeDriver
 
 from vmkv.kv import KVSpec, VirtualKVCache

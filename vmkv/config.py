@@ -213,14 +213,24 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", minimum=0)
     api_key: str | None = option(
-        None, "require `Authorization: Bearer <key>` on /v1/* and /reset_prefix_cache "
-        "(default: $VMKV_API_KEY)", env=envs.VMKV_API_KEY)
+        None, "require `Authorization: Bearer <key>` on every route that does work (all but "
+        "/health, /version, /metrics and the OpenAPI pages; default: $VMKV_API_KEY)",
+        env=envs.VMKV_API_KEY)
     served_model_name: str | None = option(
         None, "the model's name in the API; default: the model folder's name")
     max_body_bytes: int = option(
         4 << 20, "largest request body (bigger: 413), e.g. 4M", minimum=1, size=True)
     max_n: int = option(16, "most choices (`n`) one request may ask for", minimum=1,
                         flag=False)
+    max_waiting_requests: int = option(
+        1024, "most sequences waiting to be scheduled; a request beyond it gets 503 with "
+        "Retry-After instead of an unbounded queue (0: no limit)", minimum=0)
+    request_timeout: float | None = option(
+        None, "seconds after which an unfinished request is aborted (finish_reason abort, "
+        "stop_reason timeout); default: no limit", minimum=0)
+    shutdown_timeout: float = option(
+        20.0, "seconds running requests get to finish after SIGTERM/SIGINT before they are "
+        "aborted; keep it under the orchestrator's grace period (Kubernetes: 30 s)", minimum=0)
 
     def __post_init__(self) -> None:
         check_options(self)

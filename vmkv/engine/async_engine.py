@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -228,7 +229,6 @@ class AsyncEngine:
 
     @staticmethod
     def _fail_future(future: concurrent.futures.Future, error: BaseException) -> None:
-        try:
+        # answered already when the engine thread and a caller raced to fail it
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass  # answered already (the engine thread and a caller raced to fail it)
