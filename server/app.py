@@ -10,6 +10,7 @@ once, streaming or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -83,14 +84,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     ``config.served_model_name`` the model is served under :func:`served_name`."""
     if config.served_model_name is None:
         config = replace(config, served_model_name=served_name(engine.engine.config.model))
-    app = FastAPI(title="vmkv", version=vmkv.__version__)
-    install_error_handlers(app)
     metrics = Metrics(config.served_model_name)
     lifecycle = Lifecycle(engine, metrics)
     llm = engine.engine
     limits = InputLimits.for_model(llm.tokenizer, llm.max_model_len,
                                    llm.model_config.vocab_size)
     workers = Workers(llm.tokenizer, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        workers.close()  # the worker threads and the parser process end with the server
+
+    app = FastAPI(title="vmkv", version=vmkv.__version__, lifespan=lifespan)
+    install_error_handlers(app)
     api = _Api(engine, config, metrics, workers, lifecycle)
     # outermost last: the key is checked first, then draining, then the body's size
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)

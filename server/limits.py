@@ -139,12 +139,12 @@ def _check_prompt(prompt: Any, limits: InputLimits) -> None:
         return
     if not isinstance(prompt, list):
         return
+    if prompt and isinstance(prompt[0], int):  # one prompt of token ids
+        _check_ids(prompt, limits, "tokens", limits.max_model_len)
+        return
     if len(prompt) > limits.max_prompts:
         raise BodyError(f"{len(prompt)} prompts in one request; at most {limits.max_prompts}",
                         "prompt")
-    if prompt and isinstance(prompt[0], int):
-        _check_ids(prompt, limits, "tokens", limits.max_model_len)
-        return
     total = 0
     for i, p in enumerate(prompt):
         if isinstance(p, str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vmkv.sampling_params import SamplingParams
 
@@ -43,6 +43,14 @@ class _Sampling(_Base):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests with different salts never share cached KV
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salted(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:  # "" would silently share the unsalted cache
+            raise ValueError("cache_salt must be a non-empty string; omit it to share the "
+                             "unsalted cache")
+        return salt
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError naming the bad field."""

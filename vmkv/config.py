@@ -140,8 +140,9 @@ class EngineConfig:
     premap_pages: int = option(
         0, "virtual mode pages mapped ahead of need per growth (when free)", minimum=0)
     max_idle_memory: int | None = option(
-        None, "KV memory kept for reuse when idle (deferred slots and idle pool pages each); "
-        "beyond it, memory is returned to the OS/driver; default: keep all", minimum=0,
+        None, "KV memory kept for reuse when no running request needs it (idle slots' pages, "
+        "pages only the prefix cache holds and idle pool pages together); beyond it, memory is "
+        "returned to the OS/driver as requests finish; default: keep all", minimum=0,
         size=True)
     preemption_mode: str = option(
         "recompute", "what a preempted request loses: recompute (its KV, rebuilt later) or "

@@ -15,6 +15,9 @@ from typing import Any
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's cap for chat completions)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
+#: the highest temperature accepted: already at 100 sampling is uniform to within float noise for
+#: any realistic logit range, so a larger value (1e9) is a mistake, refused rather than obeyed
+MAX_TEMPERATURE = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -24,10 +27,11 @@ class SamplingParams:
 
     Attributes:
         n: number of output sequences for the prompt (>= 1).
-        temperature: divides the logits; 0 (anything below 1e-5) is greedy, and then top_p,
-            top_k and min_p are ignored.
+        temperature: divides the logits, in [0, 100]; 0 (anything below 1e-5) is greedy, and
+            then top_p, top_k and min_p are ignored.
         top_p: keep the most likely tokens whose mass reaches top_p, in (0, 1]; 1 is off.
-        top_k: keep the top_k most likely tokens; 0 or -1 is off.
+        top_k: keep the top_k most likely tokens; 0 or -1 is off, and so is any value of at
+            least the vocabulary size (it keeps every token).
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 is off.
         seed: seeds a per-request generator, so the request samples the same tokens whatever
             else is in its batch; None draws from the engine's shared generator.
@@ -86,8 +90,8 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         temperature = self._real("temperature")
-        if not temperature >= 0 or math.isinf(temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
         top_p = self._real("top_p")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
