@@ -63,6 +63,12 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def _count_rejection(request: Request, reason: str) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.rejected.labels(metrics.model_name, reason).inc()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure leaves as an OpenAI-shaped JSON error, never a crash or an HTML page."""
 
@@ -85,12 +91,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(EngineOverloadedError)
-    async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+    async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        _count_rejection(request, "queue_full")
         return error_response(503, f"the server is overloaded: {exc}; retry later",
                               headers=RETRY_AFTER)
 
     @app.exception_handler(ServerBusyError)
-    async def _busy(_: Request, exc: ServerBusyError) -> JSONResponse:
+    async def _busy(request: Request, exc: ServerBusyError) -> JSONResponse:
+        _count_rejection(request, "busy")
         return error_response(503, f"the server is busy: {exc}", headers=RETRY_AFTER)
 
     @app.exception_handler(json.JSONDecodeError)
