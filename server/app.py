@@ -43,7 +43,7 @@ from vmkv.server.protocol import (
 )
 from vmkv.server.schema import install_request_schemas, request_body
 from vmkv.server.shutdown import Admission, Lifecycle
-from vmkv.server.workers import Workers
+from vmkv.server.workers import MAX_PENDING, Workers
 
 M = TypeVar("M")
 
@@ -89,7 +89,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     llm = engine.engine
     limits = InputLimits.for_model(llm.tokenizer, llm.max_model_len,
                                    llm.model_config.vocab_size)
-    workers = Workers(llm.tokenizer, limits)
+    workers = Workers(llm.tokenizer, limits,
+                      max_pending=config.max_waiting_requests or MAX_PENDING)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -9,7 +9,9 @@ once whatever a request body holds:
                               while encoding and batch-decoding; Jinja templates are Python,
                               which hands the GIL over every few ms)
 
-At most ``max_pending`` jobs wait or run in each pool; one more is refused with
+At most ``max_pending`` tokenizer jobs wait or run (the server passes
+``--max-waiting-requests``: a request being prepared counts like one waiting in the engine), and
+at most ``max_pending_bytes`` of bodies wait for the parser process; one more is refused with
 :class:`ServerBusyError` (HTTP 503 + Retry-After), so a flood of large bodies cannot queue
 without limit. A worker process that dies (killed, out of memory) fails its job with 503 and
 the pool is started again for the next one.
@@ -35,7 +37,8 @@ T = TypeVar("T")
 INLINE_BYTES = 16 << 10  # bodies up to this size are parsed on the loop (< ~3 ms worst case)
 THREADS = 2
 PROCESSES = 1
-MAX_PENDING = 32  # jobs waiting or running per pool
+MAX_PENDING = 1024  # tokenizer jobs waiting or running
+MAX_PENDING_BYTES = 64 << 20  # bytes of bodies waiting for (or in) the parser process
 
 
 class ServerBusyError(RuntimeError):
@@ -76,15 +79,16 @@ class Workers:
 
     def __init__(self, tokenizer: Any, limits: InputLimits, *, threads: int = THREADS,
                  processes: int = PROCESSES, max_pending: int = MAX_PENDING,
+                 max_pending_bytes: int = MAX_PENDING_BYTES,
                  inline_bytes: int = INLINE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.inline_bytes = inline_bytes
-        self.max_pending = max_pending
         self.processes = processes
         self._threads = concurrent.futures.ThreadPoolExecutor(threads, "vmkv-worker")
         self._procs: concurrent.futures.ProcessPoolExecutor | None = None
-        self._pending = {"thread": 0, "process": 0}
+        self._limit = {"thread": max_pending, "process": max_pending_bytes}
+        self._pending = {"thread": 0, "process": 0}  # jobs; bytes
 
     # -- bodies -----------------------------------------------------------------------------
     async def parse(self, body: bytes, model: type[M]) -> M:
@@ -95,8 +99,8 @@ class Workers:
             self._procs = concurrent.futures.ProcessPoolExecutor(
                 self.processes, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return await self._bounded("process", self._procs, parse_body, body, model,
-                                       self.limits)
+            return await self._bounded("process", len(body), self._procs, parse_body, body,
+                                       model, self.limits)
         except BrokenProcessPool:
             self._procs.shutdown(wait=False, cancel_futures=True)
             self._procs = None
@@ -124,19 +128,19 @@ class Workers:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on a worker thread."""
-        return await self._bounded("thread", self._threads, lambda: fn(*args, **kwargs))
+        return await self._bounded("thread", 1, self._threads, lambda: fn(*args, **kwargs))
 
     # -- plumbing ---------------------------------------------------------------------------
-    async def _bounded(self, pool: str, executor: concurrent.futures.Executor,
+    async def _bounded(self, pool: str, cost: int, executor: concurrent.futures.Executor,
                        fn: Callable[..., T], *args: Any) -> T:
-        if self._pending[pool] >= self.max_pending:
-            raise ServerBusyError(f"{self._pending[pool]} requests are already being "
-                                  "prepared; retry later")
-        self._pending[pool] += 1
+        if self._pending[pool] + cost > self._limit[pool] and self._pending[pool]:
+            raise ServerBusyError(f"too many requests are already being prepared ({pool} "
+                                  "pool full); retry later")
+        self._pending[pool] += cost
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         finally:
-            self._pending[pool] -= 1
+            self._pending[pool] -= cost
 
     def close(self) -> None:
         """Stop the pools (queued jobs are dropped, the worker process exits)."""

@@ -225,3 +225,30 @@ def test_health_and_metrics_answer_while_the_largest_prompts_are_tokenised(
     assert max(lags) < 0.5, f"event loop blocked {max(lags):.3f} s"
     assert statistics.median(health) < 0.1 and max(health) < 0.5, health
     assert statistics.median(metrics) < 0.1 and max(metrics) < 0.5, metrics
+
+
+def test_the_worker_pools_are_bounded() -> None:
+    from vmkv.server.limits import InputLimits
+    from vmkv.server.workers import ServerBusyError, Workers
+
+    workers = Workers(None, InputLimits(16, 100, 1000), max_pending=2, max_pending_bytes=100,
+                      inline_bytes=10)
+    release = threading.Event()
+
+    async def main() -> None:
+        blocked = [asyncio.ensure_future(workers.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(ServerBusyError, match="thread pool full"):
+            await workers.run(time.sleep, 0)
+        release.set()
+        assert await asyncio.gather(*blocked) == [True, True]
+        assert await workers.run(lambda: 7) == 7  # room again
+        body = b'{"tokens": [' + b"1," * 24 + b'1]}'  # 62 B: parsed in the worker process
+        first, second = await asyncio.gather(
+            *(workers.parse(body, DetokenizeRequest) for _ in range(2)), return_exceptions=True)
+        assert first.tokens == [1] * 25 and isinstance(second, ServerBusyError)
+
+    from vmkv.server.protocol import DetokenizeRequest
+
+    asyncio.run(main())
+    workers.close()
