@@ -27,7 +27,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from probe import Sampler
+from probe import Sampler, save
 
 from vmkv.bench.launch import LaunchedServer
 from vmkv.config_args import parse_size
@@ -145,11 +145,7 @@ def main() -> None:
             runs += [{**r, "label": r.get("label", "before")} for r in json.load(f)["runs"]]
     options = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     result = {"bench": "elastic_memory", "options": options, "runs": runs}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    save(result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ for the reliability benchmarks (soak.py, elastic_memory.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +101,13 @@ class Sampler(threading.Thread):
         self._stop_event.set()
         self.join()
         return self.rows
+
+
+def save(result: dict[str, Any], json_path: str | None, plot_path: str | None,
+         plot: Callable[[dict[str, Any], str], None]) -> None:
+    """Write the result as JSON and draw it, where asked to."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        plot(result, plot_path)

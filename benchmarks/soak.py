@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from probe import Sampler
+from probe import Sampler, save
 
 from vmkv.bench.launch import LaunchedServer
 from vmkv.config_args import parse_size
@@ -161,11 +161,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     assert final.get("in_use", 0) == 0, "KV bytes still in use after the soak"
     assert final["memfd"] <= parse_size(args.max_idle_memory) + (64 << 10)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    save(result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

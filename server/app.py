@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vmkv
 from vmkv.chat_template import NoChatTemplateError
 from vmkv.config import ServerConfig
-from vmkv.engine.async_engine import AsyncEngine, RequestStream
+from vmkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from vmkv.engine.outputs import RequestOutput
 from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
 from vmkv.sampling_params import SamplingParams
@@ -242,8 +242,9 @@ class _Api:
 
         async def expire() -> None:
             self.metrics.timeouts.labels(self.metrics.model_name).inc()
-            for s in streams:
-                await self.engine.abort(s.request_id, "timeout")
+            with contextlib.suppress(EngineDeadError):  # then the streams end with it anyway
+                for s in streams:
+                    await self.engine.abort(s.request_id, "timeout")
 
         loop = asyncio.get_running_loop()
         return loop.call_later(max(0.0, started + timeout - time.monotonic()),

@@ -3,8 +3,8 @@ tokenisation), so a hostile body costs little and a bad one gets a 400 naming th
 
     raw bytes --json.loads(no NaN/Infinity, finite floats)--> object --check_body--> pydantic
 
-:func:`check_body` runs on the parsed JSON (lists are measured with ``len``, never walked past a
-limit) and refuses:
+:func:`check_body` runs on the parsed JSON (lists are measured with ``len`` before anything
+walks them; the walk for invalid Unicode comes last) and refuses:
 
 - invalid Unicode: lone UTF-16 surrogates (``"\\ud800"``) anywhere in a string, which no
   tokenizer can encode;
