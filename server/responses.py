@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -35,8 +36,9 @@ async def ending_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """``events``, but a failure after the stream began (the status line is sent) ends it with
     an error event and ``[DONE]`` (vLLM's convention) instead of a cut connection."""
     try:
-        async for event in events:
-            yield event
+        async with contextlib.aclosing(events):  # closed at once when the client leaves
+            async for event in events:
+                yield event
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param))
         yield sse("[DONE]")
