@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
@@ -221,6 +222,10 @@ class ServerConfig:
         4 << 20, "largest request body (bigger: 413), e.g. 4M", minimum=1, size=True)
     max_n: int = option(16, "most choices (`n`) one request may ask for", minimum=1,
                         flag=False)
+    tool_call_parser: str = option(
+        "auto", "how `tool_choice: auto` reads tool calls in the model's text: hermes "
+        "(<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), or auto (from the chat "
+        "template)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         check_options(self)
