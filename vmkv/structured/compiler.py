@@ -68,8 +68,10 @@ class GrammarCompilerCache:
             if kind == "json":
                 return compiler.compile_json_schema(
                     params.json, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # any object (xgrammar's builtin JSON allows any value)
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', strict_mode=False,
+                    any_whitespace=not params.disable_any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
