@@ -62,8 +62,8 @@ def test_the_refused_keywords_really_go_unenforced(llm: LLM) -> None:
     """Why the list exists: xgrammar compiles these schemas but accepts violating output."""
     compiler = llm.engine.grammars._xgr_compiler()
     for schema, violating in [({"type": "integer", "multipleOf": 3}, "4"),
-                              ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}},
-                               "[1]"),
+                              ({"type": "array", "items": {"type": "integer"},
+                                "contains": {"const": 5}}, "[1]"),
                               ({"not": {"type": "string"}}, '"a"')]:
         matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema)))
         assert matcher.accept_string(violating)

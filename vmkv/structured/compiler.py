@@ -22,6 +22,11 @@ from vmkv.structured.params import StructuredOutputsParams
 #: distinct grammars kept compiled (xgrammar's own cache holds the intermediate work)
 CACHE_SIZE = 512
 
+#: longest run of whitespace JSON output may have between tokens (vmkv's choice: unbounded
+#: whitespace, vLLM's default, lets small models loop on newlines and tabs until max_tokens;
+#: 24 still allows pretty-printing five levels deep)
+MAX_WHITESPACE_RUN = 24
+
 #: keywords xgrammar 0.2 accepts but does not enforce (checked in tests/test_structured.py);
 #: a schema using them would produce output that does not validate, so it is refused
 UNENFORCED_KEYWORDS = ("multipleOf", "contains", "minContains", "maxContains", "not", "if",
@@ -65,13 +70,13 @@ class GrammarCompilerCache:
         if kind == "json":
             check_schema_supported(json.loads(params.json))
         try:
-            if kind == "json":
+            if kind in ("json", "json_object"):
+                # json_object: any object (xgrammar's builtin JSON grammar allows any value)
+                schema = params.json if kind == "json" else '{"type": "object"}'
                 return compiler.compile_json_schema(
-                    params.json, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":  # any object (xgrammar's builtin JSON allows any value)
-                return compiler.compile_json_schema(
-                    '{"type": "object"}', strict_mode=False,
-                    any_whitespace=not params.disable_any_whitespace)
+                    schema, strict_mode=kind == "json",
+                    any_whitespace=not params.disable_any_whitespace,
+                    max_whitespace_cnt=MAX_WHITESPACE_RUN)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
