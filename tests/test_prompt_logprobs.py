@@ -11,12 +11,11 @@ import httpx
 import pytest
 import torch
 import transformers
-from test_server import MODEL, Running, start
+from serving import serve
+from test_server import MODEL, Running
 
 from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
-from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.llm_engine import LLMEngine
 
 PROMPTS = ["The capital of France is Paris, and the capital of Germany is Berlin.",
            "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
@@ -101,13 +100,7 @@ def test_max_tokens_zero_is_only_for_scoring() -> None:
 # -- echo over HTTP -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(default_model: Path) -> Iterator[Running]:
-    llm = LLMEngine(EngineConfig(max_model_len=256, max_num_batched_tokens=16))
-    engine = AsyncEngine(llm)
-    running = start(engine)
-    yield running
-    running.stop()
-    engine.shutdown()
-    llm.close()
+    yield from serve(EngineConfig(max_model_len=256, max_num_batched_tokens=16))
 
 
 def completion(url: str, **body: object) -> dict:

@@ -10,14 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
+from serving import client_of, serve
 from structured_schemas import SCHEMAS, prompt_for
-from test_server import MODEL, Running, metrics, start, wait_idle
+from test_server import MODEL, Running, metrics, wait_idle
 
 from vmkv.config import EngineConfig
-from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("default_model")
@@ -29,19 +28,8 @@ TIGHT_KV = 12 * 110 * 46080
 
 @pytest.fixture(scope="module", params=["virtual", "paged"])
 def tight(request: pytest.FixtureRequest) -> Iterator[Running]:
-    llm = LLMEngine(EngineConfig(kv_mode=request.param, max_model_len=256, max_num_seqs=64,
-                                 kv_cache_memory=TIGHT_KV))
-    engine = AsyncEngine(llm)
-    running = start(engine)
-    yield running
-    running.stop()
-    engine.shutdown()
-    llm.close()
-
-
-def client_of(running: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0,
-                         timeout=600)
+    yield from serve(EngineConfig(kv_mode=request.param, max_model_len=256, max_num_seqs=64,
+                                  kv_cache_memory=TIGHT_KV))
 
 
 def test_50_requests_over_10_schemas_all_validate(tight: Running) -> None:

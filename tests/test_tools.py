@@ -11,14 +11,12 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from test_server import MODEL, Running, start, wait_idle
+from serving import client_of, serve
+from test_server import MODEL, Running, wait_idle
 from tool_model import save_qwen_tool_model
 
 from vmkv.config import EngineConfig
-from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.llm_engine import LLMEngine
 from vmkv.server.tool_parsers import HermesParser, Llama3JsonParser
 
 WEATHER = {"type": "object", "properties": {
@@ -35,19 +33,8 @@ SCHEMA_OF = {"get_weather": WEATHER, "add": ADD}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def serve(model: str | None, **server: object) -> Iterator[Running]:
-    llm = LLMEngine(EngineConfig(model=model, max_model_len=512, max_num_seqs=16))
-    engine = AsyncEngine(llm)
-    running = start(engine, **server)
-    yield running
-    running.stop()
-    engine.shutdown()
-    llm.close()
-
-
-def client_of(running: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+def serve_model(model: str | None, **server: object) -> Iterator[Running]:
+    yield from serve(EngineConfig(model=model, max_model_len=512, max_num_seqs=16), **server)
 
 
 def assert_valid_calls(calls: list) -> None:
@@ -122,7 +109,7 @@ def test_streams_hold_back_what_may_become_a_tool_call() -> None:
 # -- required and named, on the default model ----------------------------------------------------
 @pytest.fixture(scope="module")
 def smol(default_model: Path) -> Iterator[Running]:
-    yield from serve(None)
+    yield from serve_model(None)
 
 
 @pytest.mark.parametrize("tool_choice", [
@@ -188,7 +175,7 @@ def qwen_path(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> 
 
 @pytest.fixture(scope="module")
 def qwen(qwen_path: Path) -> Iterator[Running]:
-    yield from serve(str(qwen_path))
+    yield from serve_model(str(qwen_path))
 
 
 def forced(text: str) -> dict:
@@ -250,7 +237,7 @@ def test_auto_without_a_call_is_plain_content(qwen: Running) -> None:
 
 
 def test_auto_with_the_llama3_json_parser(qwen_path: Path) -> None:
-    for running in serve(str(qwen_path), tool_call_parser="llama3_json"):
+    for running in serve_model(str(qwen_path), tool_call_parser="llama3_json"):
         client = client_of(running)
         reply = '{"name": "add", "parameters": {"a": 2, "b": 40}}'
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
