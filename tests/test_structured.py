@@ -136,3 +136,26 @@ def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos(llm: LLM) -> 
     assert len(out.token_ids) < 10  # the grammar, not min_tokens, decides when to end
     llm.engine.kv.check()
     assert llm.engine.kv.usage.bytes_in_use == 0
+
+
+def test_stop_strings_and_aborts_end_constrained_sequences(llm: LLM) -> None:
+    engine = llm.engine
+    prompt = chat(llm, "Describe a person.")
+    so = S(json=PERSON)
+    # a stop string inside the document ends it there (the text is cut before it)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, stop=['"age"'],
+                                              structured_outputs=so), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == '"age"'
+    assert out.outputs[0].text.startswith("{") and '"age"' not in out.outputs[0].text
+    # aborted after a few constrained steps (n=2: the forked matchers too): nothing is held
+    engine.add_request("abort-me", prompt, SamplingParams(n=2, temperature=0.8, seed=1,
+                                                          max_tokens=60, structured_outputs=so))
+    for _ in range(6):
+        engine.step()
+    req = engine.requests["abort-me"]
+    states = [s.sampling_state.grammar for s in req.seqs]
+    assert len(states) == 2 and states[0].matcher is not states[1].matcher
+    assert engine.abort_request("abort-me").finished
+    assert not engine.has_unfinished_requests()
+    engine.kv.check()
+    assert engine.kv.usage.bytes_in_use == 0
