@@ -16,6 +16,7 @@ from serving import client_of, serve
 from test_server import MODEL, Running, wait_idle
 from tool_model import save_qwen_tool_model
 
+from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
 from vmkv.server.tool_parsers import HermesParser, Llama3JsonParser
 
@@ -253,3 +254,12 @@ def test_auto_with_the_llama3_json_parser(qwen_path: Path) -> None:
         assert (content, finish) == ("", "tool_calls")
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
             ("add", {"a": 2, "b": 40})]
+
+
+def test_the_offline_chat_renders_tools(qwen_path: Path) -> None:
+    llm = LLM(str(qwen_path), max_model_len=512)
+    text = llm.tokenizer.decode(llm.apply_chat_template(ASK, tools=TOOLS))
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert "<tools>" not in llm.tokenizer.decode(llm.apply_chat_template(ASK))
+    out = llm.chat(ASK, SamplingParams(max_tokens=3), tools=TOOLS, use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.apply_chat_template(ASK, tools=TOOLS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
 from vmkv.sampling.state import SamplingState
 
@@ -26,6 +25,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[SamplingState],
     token its grammar allows next."""
     if not rows:
         return
+    import xgrammar as xgr  # only once a constrained request exists (see structured/compiler.py)
+
     bitmask = xgr.allocate_token_bitmask(len(logits), logits.shape[-1])  # [B, ceil(V / 32)]
     for i in rows:
         states[i].grammar.fill_bitmask(bitmask, i)

@@ -4,6 +4,9 @@
 the server compiles a request's grammar in a worker thread before submitting it and the engine
 thread, which compiles again at ``add_request``, only finds it in the cache. Everything xgrammar
 cannot parse, and JSON-schema keywords it would silently not enforce, is a ``ValueError``.
+
+xgrammar (which imports pydantic) is imported on the first structured request only, so an engine
+that serves none runs where it is absent (the GPU image).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import functools
 import json
 import threading
 from collections.abc import Iterator
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from vmkv.structured.matcher import GrammarState
 from vmkv.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 #: distinct grammars kept compiled (xgrammar's own cache holds the intermediate work)
 CACHE_SIZE = 512
@@ -57,6 +61,8 @@ class GrammarCompilerCache:
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:  # built on first use: engines without structured requests pay nothing
             if self._compiler is None:
+                import xgrammar as xgr
+
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids)

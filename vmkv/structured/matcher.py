@@ -8,8 +8,12 @@ aborts end the sequence and the matcher with it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class GrammarState:
@@ -17,6 +21,8 @@ class GrammarState:
 
     def __init__(self, compiled: xgr.CompiledGrammar,
                  matcher: xgr.GrammarMatcher | None = None) -> None:
+        import xgrammar as xgr  # loaded with the first grammar (compiler.py)
+
         self.compiled = compiled
         self.matcher = matcher or xgr.GrammarMatcher(compiled)
 
