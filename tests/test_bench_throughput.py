@@ -106,6 +106,8 @@ def test_structured_outputs_compared_at_the_same_lengths(tmp_path: Path) -> None
         assert run["output_tokens"] == run["requested_output_tokens"] and not run["short_outputs"]
     assert len(result["structured_ratios"]["paged"]) == 2
     assert result["structured_ratio_median"]["paged"] > 0
+    assert len(result["structured_cpu_ratios"]["paged"]) == 2
+    assert all(r["cpu_s"] > 0 and r["output_tokens_per_cpu_s"] > 0 for r in result["runs"])
     assert any(row["mode"] == "paged+json/paged" for row in result["rows"])
 
 

@@ -121,7 +121,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     ops_before = _op_totals(engine)
     ids = [f"{tag}-{i}" for i in range(len(requests))]
     bar = progress_bar(progress, tag, total=len(requests))
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     for rid, r in zip(ids, requests, strict=True):
         engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len, structured))
     trace, overhead = _Trace(), 0.0
@@ -136,7 +136,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
         t = time.monotonic()
         trace.sample(engine, t - start - overhead)
         overhead += time.monotonic() - t
-    wall = time.monotonic() - start
+    wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
     bar.close()
     elapsed = wall - overhead
     result = _summarise(requests, [outputs[rid] for rid in ids], elapsed, start)
@@ -144,7 +144,8 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     result["preemptions"] = stats.num_preemptions - before[0]
     result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
     result.update(_map_numbers(ops_before, _op_totals(engine)))
-    result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead,
+    result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead, cpu_s=cpu,
+                  output_tokens_per_cpu_s=result["output_tokens"] / cpu if cpu else None,
                   trace=trace.downsampled())
     return result
 
@@ -258,12 +259,20 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if {"virtual", "paged"} <= summary.keys():
         out["ratios"] = [by["virtual", i] / by["paged", i] for i in reps]
         out["ratio_median"] = statistics.median(out["ratios"])
+    cpu = {(r["mode"], r["repeat"]): r.get("output_tokens_per_cpu_s") for r in runs}
     for key, suffix in TWINS.items():  # twin / plain, per mode and repetition
         twin = {m: [by[m + suffix, i] / by[m, i] for i in reps]
                 for m in summary if m + suffix in summary}
         if twin:
             out[f"{key}_ratios"] = twin
             out[f"{key}_ratio_median"] = {m: statistics.median(v) for m, v in twin.items()}
+        if twin and all(cpu[m, i] and cpu[m + suffix, i] for m in twin for i in reps):
+            # the same ratio per CPU second of this process: what others' load on a shared
+            # machine disturbs far less than wall time
+            out[f"{key}_cpu_ratios"] = {m: [cpu[m + suffix, i] / cpu[m, i] for i in reps]
+                                        for m in twin}
+            out[f"{key}_cpu_ratio_median"] = {
+                m: statistics.median(v) for m, v in out[f"{key}_cpu_ratios"].items()}
     return out
 
 
@@ -281,11 +290,12 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     if "ratio_median" in result:
         rows.append({"mode": "virtual/paged", "rep": "median", "out tok/s": result["ratio_median"]})
     for key, suffix in TWINS.items():
-        for mode, ratios in result.get(f"{key}_ratios", {}).items():
-            name = f"{mode}{suffix}/{mode}"
-            rows += [{"mode": name, "rep": i, "out tok/s": r} for i, r in enumerate(ratios)]
-            rows.append({"mode": name, "rep": "median",
-                         "out tok/s": result[f"{key}_ratio_median"][mode]})
+        for kind, label in (("", ""), ("_cpu", " per cpu s")):
+            for mode, ratios in result.get(f"{key}{kind}_ratios", {}).items():
+                name = f"{mode}{suffix}/{mode}{label}"
+                rows += [{"mode": name, "rep": i, "out tok/s": r} for i, r in enumerate(ratios)]
+                rows.append({"mode": name, "rep": "median",
+                             "out tok/s": result[f"{key}{kind}_ratio_median"][mode]})
     hf = result.get("hf")
     if hf:
         rows.append({"mode": f"hf (batch {hf['batch_size']})", "rep": 0,
