@@ -147,6 +147,19 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_profile(args: argparse.Namespace) -> int:
+    from vmkv.bench import common, plots, profile
+
+    result = profile.run(engine_config(args), batch=args.batch_size, context=args.context_len,
+                         prefill_batch=args.prefill_batch, prefill_len=args.prefill_len,
+                         repeats=args.repeats, warmup=args.warmup,
+                         prefill_kernel=not args.no_prefill_kernel)
+    result = {**result, "options": common.options(args)}
+    common.finish(result, result["rows"], profile.COLUMNS, args.json, plots.profile,
+                  args.plot)
+    return 0
+
+
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     from vmkv.bench import common, startup
 
@@ -259,6 +272,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.set_defaults(func=cmd_bench_kernels)
+
+    p = bench.add_parser("profile", help="one decode and one prefill step split into parts, "
+                                         "each against its roofline")
+    add_model_arg(p)
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=64, help="decoding requests")
+    p.add_argument("--context-len", type=int, default=256, help="tokens each decoder holds")
+    p.add_argument("--prefill-batch", type=int, default=8, help="requests prefilled at once")
+    p.add_argument("--prefill-len", type=int, default=256, help="tokens per prefilled prompt")
+    p.add_argument("--repeats", type=int, default=5, help="measured steps per phase (median)")
+    p.add_argument("--no-prefill-kernel", action="store_true",
+                   help="CPU prefill chunks by per-request SDPA (the batched kernel's worth)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.set_defaults(func=cmd_bench_profile)
 
     p = bench.add_parser("startup", help="process start to first token, in fresh processes")
     add_model_arg(p)

@@ -156,6 +156,9 @@ class EngineConfig:
     linear_backend: str = option(
         "auto", "CPU float32 linears: auto/onednn (oneDNN with packed weights) or torch "
         "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+    enforce_eager: bool = option(
+        False, "always run the model eagerly: no torch.compile of the decoder layers on the "
+        "CPU, no CUDA graphs on a GPU (vLLM's flag)")
     seed: int = option(0, "seed of the shared generator for unseeded sampling")
 
     def __post_init__(self) -> None:

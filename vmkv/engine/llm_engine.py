@@ -28,6 +28,7 @@ from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv import create_kv_cache
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
+from vmkv.models.compile import try_compile
 from vmkv.sampling import Sampler, SamplingState
 from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
@@ -73,15 +74,20 @@ class LLMEngine:
                                   num_slots=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=config.device)
         self.attn = create_attention_backend(self.kv)
+        # CPU: the decoder layers compiled with TorchInductor (off: --enforce-eager or
+        # VMKV_COMPILE=0; without a compiler or on a failure: eager, logged)
+        self.compiled = (config.device == "cpu" and not config.enforce_eager
+                         and envs.compile_enabled()
+                         and try_compile(self.model, self._warm_up_step))
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
         # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
         self.mapper: BackgroundMapper | None = None
         if envs.background_mapper():
             self.mapper = self.kv.start_background_mapper()
-        # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
-        self.graphs = maybe_create_graph_runner(self.model, self.attn,
-                                                max_batch_size=config.max_num_seqs,
-                                                mapper=self.mapper)
+        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0); None on
+        # the CPU
+        self.graphs = None if config.enforce_eager else maybe_create_graph_runner(
+            self.model, self.attn, max_batch_size=config.max_num_seqs, mapper=self.mapper)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
@@ -101,6 +107,20 @@ class LLMEngine:
         for line in self.startup_report():
             logger.info(line)
 
+    def _warm_up_step(self, num_tokens: int) -> None:
+        """One real forward of ``num_tokens`` tokens of a throw-away request (compiles the
+        graph of that size); its KV is freed again."""
+        rid = "__vmkv_warm_up__"
+        if not self.kv.allocate(rid, num_tokens):
+            raise RuntimeError(f"no KV room for a {num_tokens}-token warm-up step")
+        try:
+            meta = self.attn.prepare([rid], [0], [num_tokens])
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.model.device)
+            positions = torch.arange(num_tokens, device=self.model.device)
+            self.model.forward(ids, positions, self.attn, meta)
+        finally:
+            self.kv.free(rid)
+
     # -- reporting ----------------------------------------------------------------------------
     def startup_report(self) -> list[str]:
         """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
@@ -113,6 +133,7 @@ class LLMEngine:
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
             kv.describe(),
+            "decoder layers compiled (TorchInductor)" if self.compiled else "model runs eagerly",
         ]
         return lines
 
