@@ -32,7 +32,11 @@ from vmkv.sampling_params import SamplingParams
 from vmkv.server import responses as R
 from vmkv.server.errors import APIError, error_response, install_error_handlers
 from vmkv.server.metrics import Metrics, take_snapshot
-from vmkv.server.prompt_logprobs import echo_logprobs, prompt_logprobs_wanted
+from vmkv.server.prompt_logprobs import (
+    echo_logprobs,
+    prompt_logprobs_wanted,
+    vllm_prompt_logprobs,
+)
 from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -318,6 +322,8 @@ class _Api:
                     if body.echo:
                         choice["logprobs"] = echo_logprobs(self.token_text, out,
                                                            choice["logprobs"], body.logprobs)
+                if body.prompt_logprobs is not None:  # vLLM's extra, echo or not
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, out)
                 choices.append(choice)
         return JSONResponse({
             **R.envelope(request_id, "text_completion", model), "choices": choices,

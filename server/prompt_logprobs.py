@@ -22,6 +22,16 @@ def prompt_logprobs_wanted(body: Any, max_tokens: int) -> int | None:
     return None
 
 
+def vllm_prompt_logprobs(token_text: R.TokenText, out: RequestOutput
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``choices[i].prompt_logprobs`` (asked for with the ``prompt_logprobs: k`` extra):
+    ``None`` for the first prompt token, then per token ``{token_id: {"logprob",
+    "decoded_token"}}``, the prompt token first, then the top k (no ``rank``: not computed)."""
+    return [None if entry is None else
+            {str(t): {"logprob": v, "decoded_token": token_text(t)} for t, v in entry.items()}
+            for entry in out.prompt_logprobs or []]
+
+
 def echo_logprobs(token_text: R.TokenText, out: RequestOutput,
                   completion: dict[str, Any] | None, num_top: int) -> dict[str, Any]:
     """The legacy ``logprobs`` object of the prompt tokens, followed by ``completion``'s."""

@@ -143,6 +143,21 @@ def test_echo_streams_the_prompt_logprobs_first(srv: Running, reference: list) -
     assert len(first["logprobs"]["tokens"]) == len(ids)
 
 
+def test_the_prompt_logprobs_extra_returns_them_without_echo(srv: Running,
+                                                            reference: list) -> None:
+    ids, logprobs = reference[1]
+    body = completion(srv.url, prompt=ids, prompt_logprobs=2, max_tokens=0)
+    (choice,) = body["choices"]
+    assert choice["text"] == "" and choice["logprobs"] is None
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for pos in range(1, len(ids)):
+        entry = entries[pos]
+        assert next(iter(entry)) == str(ids[pos])  # the prompt token first, then the top 2
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(
+            logprobs[pos - 1, ids[pos]].item(), abs=2e-4)
+        best = int(logprobs[pos - 1].argmax())
+        assert entry[str(best)]["decoded_token"] == srv.engine.engine.tokenizer.decode([best])
 def test_echo_without_logprobs_and_bad_prompt_logprobs(srv: Running) -> None:
     body = completion(srv.url, prompt="Hello there", echo=True, max_tokens=0)
     assert body["choices"][0]["text"] == "Hello there"
