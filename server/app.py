@@ -35,6 +35,11 @@ from vmkv.server.auth import ApiKey
 from vmkv.server.errors import RETRY_AFTER, APIError, error_response, install_error_handlers
 from vmkv.server.limits import InputLimits
 from vmkv.server.metrics import Metrics
+from vmkv.server.prompt_logprobs import (
+    echo_logprobs,
+    prompt_logprobs_wanted,
+    vllm_prompt_logprobs,
+)
 from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +48,8 @@ from vmkv.server.protocol import (
 )
 from vmkv.server.schema import install_request_schemas, request_body
 from vmkv.server.shutdown import Admission, Lifecycle
+from vmkv.server.structured import prepare_structure
+from vmkv.server.tools import ToolPlan, plan_tools
 from vmkv.server.workers import MAX_PENDING, Workers
 
 M = TypeVar("M")
@@ -206,9 +213,10 @@ class _Api:
         if not 1 <= n <= self.config.max_n:
             raise APIError(400, f"n must be in 1..{self.config.max_n}, got {n}", "n")
 
-    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool,
+                       tools: list[dict] | None = None) -> list[int]:
         try:
-            ids = await self.workers.encode_chat(messages, add_generation_prompt)
+            ids = await self.workers.encode_chat(messages, add_generation_prompt, tools)
         except NoChatTemplateError as exc:
             raise APIError(400, f"{exc}; use /v1/completions") from None
         self.workers.limits.check_prompt_tokens(len(ids), "messages")
@@ -331,7 +339,9 @@ class _Api:
         for p in body.prompts():  # token ids were checked with the body (limits.py)
             prompts.append(await self.encode(p) if isinstance(p, str) else list(p))
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs,
+                                      prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
+                                      structured_outputs=await prepare_structure(self.llm, body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
@@ -352,6 +362,13 @@ class _Api:
                     choice["logprobs"] = R.completion_logprobs(
                         self.token_text, c.token_ids, c.logprobs or [], len(echo[i]),
                         body.logprobs)
+                    if body.echo:  # a prompt's worth of tokens: decoded off the loop
+                        choice["logprobs"] = await asyncio.to_thread(
+                            echo_logprobs, self.token_text, out, choice["logprobs"],
+                            body.logprobs)
+                if body.prompt_logprobs is not None:  # vLLM's extra, echo or not
+                    choice["prompt_logprobs"] = await asyncio.to_thread(
+                        vllm_prompt_logprobs, self.token_text, out)
                 choices.append(choice)
         return JSONResponse({
             **R.envelope(request_id, "text_completion", model), "choices": choices,
@@ -374,8 +391,11 @@ class _Api:
                 if tracker is None:
                     tracker = trackers[index] = R.ChoiceTracker(text_offset=len(echo[i]))
                     if echo[i]:
+                        lp = (await asyncio.to_thread(echo_logprobs, self.token_text, out,
+                                                      None, body.logprobs)
+                              if body.logprobs is not None else None)
                         yield R.sse({**base, "choices": [{"index": index, "text": echo[i],
-                                                          "logprobs": None,
+                                                          "logprobs": lp,
                                                           "finish_reason": None}]})
                 d = tracker.delta(c)
                 if d is None:
@@ -401,21 +421,26 @@ class _Api:
         started = time.monotonic()
         self.check_model(body.model)
         self.check_n(body.n)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          self.tokenizer.chat_template, self.config.tool_call_parser)
         ids = await self.chat_ids([m.as_dict() for m in body.messages],
-                                  body.add_generation_prompt)
-        params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
+                                  body.add_generation_prompt, plan.tools)
+        params = body.sampling_params(
+            body.requested_max_tokens, body.num_logprobs,
+            structured_outputs=await prepare_structure(self.llm, body, plan.structure))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [ids], params, body.cache_salt)
         model = self.config.served_model_name
         if body.stream:
             return StreamingResponse(R.ending_with_errors(self._stream_chat(
-                request_id, model, streams, started, body, len(ids))),
+                request_id, model, streams, started, body, len(ids), plan)),
                 media_type="text/event-stream")
         (out,) = await self.collect(raw, streams, started)
         choices = []
         for c in out.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": None, "finish_reason": c.finish_reason,
+            message, finish_reason = plan.message(c.text, c.finish_reason)
+            choice = {"index": c.index, "message": message,
+                      "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": c.stop_reason}
             if body.logprobs:
                 choice["logprobs"] = R.chat_logprobs(self.token_text, c.token_ids,
@@ -428,10 +453,11 @@ class _Api:
         })
 
     async def _stream_chat(self, request_id: str, model: str, streams: list[RequestStream],
-                           started: float, body: ChatCompletionRequest, prompt_tokens: int
-                           ) -> AsyncIterator[str]:
+                           started: float, body: ChatCompletionRequest, prompt_tokens: int,
+                           plan: ToolPlan) -> AsyncIterator[str]:
         base = R.envelope(request_id, "chat.completion.chunk", model)
         trackers: dict[int, R.ChoiceTracker] = {}
+        shapers = {index: plan.stream() for index in range(body.n)}
         completion_tokens = cached = 0
         for index in range(body.n):  # the role comes first, once per choice
             yield R.sse({**base, "choices": [{"index": index, "delta": {"role": "assistant",
@@ -448,10 +474,15 @@ class _Api:
                 if body.logprobs:
                     lp = R.chat_logprobs(self.token_text, d.token_ids, d.logprobs,
                                          body.top_logprobs or 0)
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield R.sse({**base, "choices": [{
-                    "index": c.index, "delta": delta, "logprobs": lp,
-                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+                deltas, finish_reason = shapers[c.index].feed(d.text, d.finish_reason)
+                if not deltas and (lp is not None or finish_reason is not None):
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield R.sse({**base, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                        "finish_reason": finish_reason if last else None,
+                        "stop_reason": d.stop_reason if last else None}]})
             if out.finished:
                 cached = out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:

@@ -111,9 +111,11 @@ class Workers:
         """Token ids of a prompt (the model's special tokens added, as for generation)."""
         return await self.run(lambda: self.tokenizer(text).input_ids)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool
-                          ) -> list[int]:
-        return await self.run(chat_token_ids, self.tokenizer, messages, add_generation_prompt)
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat (its template rendered with ``tools`` when given)."""
+        return await self.run(chat_token_ids, self.tokenizer, messages, add_generation_prompt,
+                              tools)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """``tokenizer.decode(ids)``. Where that is exactly the Rust tokenizer's decode (no

@@ -1,4 +1,5 @@
-"""Test set-up: quiet OpenMP before torch loads; skip `gpu` tests cleanly without CUDA."""
+"""Test set-up: quiet OpenMP before torch loads, eager engines; skip `gpu` tests cleanly without
+CUDA."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # small torch ops stall ~8 ms otherwise
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # ...and a short spin saves wake-ups
+# engines run eagerly in the suite (compiling every test's model would cost minutes); the tests
+# of the compiled path turn it back on with monkeypatch.setenv("VMKV_COMPILE", "1")
+os.environ.setdefault("VMKV_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,5 +1,6 @@
-"""The CPU decode twins (csrc/cpu_attention.cpp): right answers, identical in both addressing
-modes, and nothing read past each request's length (proven on real mappings in a child)."""
+"""The CPU twins (csrc/cpu_attention.cpp), decode and prefill: right answers, identical in both
+addressing modes, and nothing read past each request's length (proven on real mappings in a
+child)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,38 @@ def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int) -
     torch.testing.assert_close(shuffled, want, atol=2e-6, rtol=1e-5)  # no NaN read
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 2)])
+def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(heads)
+    dim, slot, bs = 64, 128, 16
+    # (context, new tokens): fresh prompts, chunks after a context, tile edges (16, 17, 33)
+    chunks = [(0, 37), (10, 16), (0, 17), (90, 33), (5, 2), (0, 128)]
+    cache = torch.randn(len(chunks) * slot, 4, 2, kv_heads, dim)
+    k, v = cache[:, 2, 0], cache[:, 2, 1]  # [rows, kv_heads, dim], strided
+    starts = torch.arange(len(chunks)) * slot
+    q_lens = torch.tensor([n for _, n in chunks])
+    q_start = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)[:-1]])
+    seq_lens = torch.tensor([c + n for c, n in chunks])
+    q = torch.randn(int(q_lens.sum()), heads, dim)
+    want = torch.cat([attend_one(q[s : s + n], k[r : r + c + n], v[r : r + c + n], c, 0.125)
+                      for (c, n), s, r in zip(chunks, q_start.tolist(), starts.tolist(),
+                                              strict=True)])
+    got = torch.full_like(want, float("nan"))
+    cpu_attention.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, got, starts=starts)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    identity = (starts // bs)[:, None] + torch.arange(slot // bs)
+    paged = torch.full_like(want, float("nan"))
+    cpu_attention.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, paged,
+                          block_table=identity, block_size=bs)
+    assert torch.equal(paged, got)  # one kernel body: bit-identical in both modes
+    # a subset of the entries writes only its own rows of out
+    some = torch.full_like(want, 7.0)
+    cpu_attention.prefill(q, k, v, q_start[1:2], q_lens[1:2], seq_lens[1:2], 0.125, some,
+                          starts=starts[1:2])
+    rows = slice(int(q_start[1]), int(q_start[1] + q_lens[1]))
+    assert torch.equal(some[rows], got[rows]) and (some[: rows.start] == 7.0).all()
+
+
 def test_bad_arguments_are_value_errors() -> None:
     q, k = torch.randn(1, 4, 8), torch.randn(4, 2, 8)
     lens = torch.tensor([2], dtype=torch.int32)
@@ -65,6 +98,13 @@ def test_bad_arguments_are_value_errors() -> None:
         cpu_attention.decode(q.half(), k.half(), k.half(), lens, 1.0, starts=torch.zeros(1))
     with pytest.raises(ValueError, match="bad arguments"):
         cpu_attention.decode(torch.randn(1, 3, 8), k, k, lens, 1.0, starts=torch.zeros(1))
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="bad arguments to the CPU prefill kernel"):
+        cpu_attention.prefill(torch.randn(4, 4, 8), k, k, one * 0, one * 4, one * 3, 1.0,
+                              torch.empty(4, 32), starts=torch.zeros(1))  # 4 new > 3 cached
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_attention.prefill(torch.randn(4, 4, 8), k, k, one * 0, one * 4, one * 4, 1.0,
+                              torch.empty(4, 8), starts=torch.zeros(1))
 
 
 _CHILD = textwrap.dedent(
@@ -85,16 +125,23 @@ _CHILD = textwrap.dedent(
         k[kv.slot(rid), :32] = 1.0
         v[kv.slot(rid), :32] = 2.0
     lens = torch.tensor([32, 32 + int(sys.argv[1])], dtype=torch.int32)
-    out = cpu_attention.decode(torch.ones(2, 4, 64), k.flatten(0, 1), v.flatten(0, 1), lens,
-                               0.125, starts=starts)
+    if sys.argv[2] == "decode":
+        out = cpu_attention.decode(torch.ones(2, 4, 64), k.flatten(0, 1), v.flatten(0, 1),
+                                   lens, 0.125, starts=starts)
+    else:  # two chunks of 20 new tokens: the last query of b sees its last row
+        out = torch.empty(40, 4 * 64)
+        cpu_attention.prefill(torch.ones(40, 4, 64), k.flatten(0, 1), v.flatten(0, 1),
+                              torch.tensor([0, 20]), torch.tensor([20, 20]), lens, 0.125, out,
+                              starts=starts)
     print(float(out.mean()), flush=True)
     """
 )
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize(("extra", "returncode"), [(0, 0), (1, -11)])
-def test_the_kernel_reads_only_mapped_tokens(extra: int, returncode: int) -> None:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(extra)], capture_output=True,
+def test_the_kernel_reads_only_mapped_tokens(extra: int, returncode: int, kind: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(extra), kind], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == returncode, proc.stderr
     if returncode == 0:

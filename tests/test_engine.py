@@ -197,3 +197,21 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
     assert "layout per-layer, page 16 KiB = 21.33 tokens" in on[2]
     off = make_llm("paged", enable_prefix_caching=False).engine.startup_report()
     assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU engines compile their decoder layers at start-up (warm-up steps of 2 and 1 tokens
+    through the real KV cache, freed again) unless told not to; the tokens do not change."""
+    eager = make_llm("virtual")
+    assert not eager.engine.compiled and eager.engine.startup_report()[-1] == (
+        "model runs eagerly")
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("VMKV_COMPILE", "1")
+    llm = make_llm("virtual")
+    assert llm.engine.compiled
+    assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
+    assert_nothing_held(llm.engine)  # the warm-up request is gone
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert not make_llm("paged", enforce_eager=True).engine.compiled

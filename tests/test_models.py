@@ -4,6 +4,7 @@ parsing, model resolution and the GGUF conversion cache (CPU only)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from model_helpers import (
 
 from vmkv.models import (
     SUPPORTED_ARCHITECTURES,
+    LlamaModel,
     ModelConfig,
     RopeConfig,
     default_gguf_path,
@@ -416,3 +418,49 @@ def test_default_model_config_and_fast_reload(smol_dir: Path) -> None:
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,) and cfg.rope.theta == 1e5
     assert model.lm_head.weight is model.embed_tokens.weight
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kv_mode", "layout"), [KV_CASES[0], KV_CASES[2]],
+                         ids=[KV_IDS[0], KV_IDS[2]])
+def test_compiled_default_model_greedy_matches_transformers(
+        smol_dir: Path, smol_reference: tuple[list, list], kv_mode: str, layout: str) -> None:
+    """The decoder layers compiled by TorchInductor (fused glue, attention and the packed
+    linears opaque) still give transformers' greedy tokens in fp32, in both KV modes."""
+    from vmkv.models.compile import compile_layers
+
+    prompts, expected = smol_reference
+    model, cfg = load_model(smol_dir, torch.float32)
+    compile_layers(model)
+    kv = make_kv(cfg, kv_mode, layout, num_slots=len(prompts), max_model_len=128)
+    try:
+        got = greedy_generate(model, kv, prompts, SMOL_NEW_TOKENS)
+    finally:
+        kv.close()
+    assert all(not isinstance(layer.forward, torch.nn.Module) and
+               hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.layers)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
+
+
+def test_compile_falls_back_to_eager_with_one_warning(caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmkv.models.compile import try_compile
+
+    model = LlamaModel(ModelConfig.from_hf(transformers.LlamaConfig(**TINY)), device="cpu")
+    calls: list[int] = []
+
+    def failing_step(num_tokens: int) -> None:
+        calls.append(num_tokens)
+        raise RuntimeError("C++ compile failed: cc1plus: fatal error")
+
+    with caplog.at_level(logging.WARNING, logger="vmkv"):
+        assert not try_compile(model, failing_step)
+    assert calls == [2] and all("forward" not in layer.__dict__ for layer in model.layers)
+    assert "torch.compile failed (RuntimeError: C++ compile failed" in caplog.text
+    assert "runs eagerly" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no g++ / c++: eager before trying
+    with caplog.at_level(logging.WARNING, logger="vmkv"):
+        assert not try_compile(model, failing_step)
+    assert calls == [2] and "no C++ compiler" in caplog.text

@@ -78,8 +78,10 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
                engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m,
                                                     "enable_prefix_caching": on}))
                for m in modes for on in caching}
+    structured = throughput.BENCH_STRUCTURE if args.compare_structured_outputs else None
     result = throughput.run(configs, requests, repeats=args.repeats,
-                            warmup_prompts=args.warmup_prompts, progress=not args.no_progress)
+                            warmup_prompts=args.warmup_prompts, progress=not args.no_progress,
+                            structured=structured)
     if args.baseline == "hf":
         from vmkv.models import resolve_model
 
@@ -145,6 +147,19 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_profile(args: argparse.Namespace) -> int:
+    from vmkv.bench import common, plots, profile
+
+    result = profile.run(engine_config(args), batch=args.batch_size, context=args.context_len,
+                         prefill_batch=args.prefill_batch, prefill_len=args.prefill_len,
+                         repeats=args.repeats, warmup=args.warmup,
+                         prefill_kernel=not args.no_prefill_kernel)
+    result = {**result, "options": common.options(args)}
+    common.finish(result, result["rows"], profile.COLUMNS, args.json, plots.profile,
+                  args.plot)
+    return 0
+
+
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     from vmkv.bench import common, startup
 
@@ -200,6 +215,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p, default="random", num_prompts=64)
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run every mode with prefix caching off and on, alternated; print on/off")
+    p.add_argument("--compare-structured-outputs", action="store_true",
+                   help="run every mode plain and JSON-schema constrained (same lengths), "
+                        "alternated; print constrained/plain")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode")
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="requests of the workload run once per engine before measuring")
@@ -254,6 +272,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.set_defaults(func=cmd_bench_kernels)
+
+    p = bench.add_parser("profile", help="one decode and one prefill step split into parts, "
+                                         "each against its roofline")
+    add_model_arg(p)
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=64, help="decoding requests")
+    p.add_argument("--context-len", type=int, default=256, help="tokens each decoder holds")
+    p.add_argument("--prefill-batch", type=int, default=8, help="requests prefilled at once")
+    p.add_argument("--prefill-len", type=int, default=256, help="tokens per prefilled prompt")
+    p.add_argument("--repeats", type=int, default=5, help="measured steps per phase (median)")
+    p.add_argument("--no-prefill-kernel", action="store_true",
+                   help="CPU prefill chunks by per-request SDPA (the batched kernel's worth)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.set_defaults(func=cmd_bench_profile)
 
     p = bench.add_parser("startup", help="process start to first token, in fresh processes")
     add_model_arg(p)

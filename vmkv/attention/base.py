@@ -56,6 +56,17 @@ class AttentionBackend(ABC):
         """Build the step's metadata; the KV manager must already hold room for every token."""
 
     @abstractmethod
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Store the step's new ``k, v [num_tokens, kv_heads, head_dim]`` in ``layer``'s
+        cache at ``meta.write_rows``."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float
+               ) -> torch.Tensor:
+        """Attention of ``q [num_tokens, heads, head_dim]`` over ``layer``'s cache (the new
+        rows already written); returns ``[num_tokens, heads * head_dim]``."""
+
     def forward(
         self,
         layer: int,
@@ -69,3 +80,5 @@ class AttentionBackend(ABC):
 
         Shapes: ``q [num_tokens, heads, head_dim]``, ``k, v [num_tokens, kv_heads, head_dim]``.
         """
+        self.write_kv(layer, k, v, meta)
+        return self.attend(layer, q, meta, scale)

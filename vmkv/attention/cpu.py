@@ -1,9 +1,10 @@
 """Attention on CPU, both KV modes: K/V read in place through the step's addressing.
 
-Decodes of a step go to one batched kernel call per layer (:mod:`vmkv.attention.cpu_decode`:
-slot rows in virtual mode, block-table rows in paged mode); prefill chunks run SDPA per request
-over their rows: a strided view of the slot (virtual, no copy) or a block-table gather (paged).
-Nothing past a request's length is read, so pages beyond it may stay unmapped.
+A step's decodes go to one batched kernel call per layer, and its prefill chunks to another
+(:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged mode).
+Without the kernels (no compiler, or not float32) each request runs SDPA over its rows: a
+strided view of the slot (virtual, no copy) or a block-table gather (paged). Nothing past a
+request's length is read, so pages beyond it may stay unmapped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vmkv.attention import cpu_decode
+from vmkv.attention import cpu_batches
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_each
 from vmkv.attention.step import token_positions
@@ -22,14 +23,18 @@ from vmkv.kv.base import KVCacheManager
 
 @dataclass
 class CpuStepMetadata(AttentionMetadata):
-    """A CPU step: the decodes the kernel takes, and every request's whole-sequence rows."""
+    """A CPU step: the decodes and the prefill chunks the kernels take, and the rows of the
+    requests left to SDPA (an empty slice for the kernels' ones)."""
 
-    decode: cpu_decode.DecodeBatch | None
+    decode: cpu_batches.DecodeBatch | None
+    prefill: cpu_batches.PrefillBatch | None
     seq_rows: list[slice | torch.Tensor]
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Batched in-place decode kernel + per-request SDPA, over any KV manager on the CPU."""
+    """Batched in-place decode and prefill kernels (SDPA per request without them), over any
+    KV manager on the CPU. ``batched_decode`` / ``batched_prefill`` switch the kernels off
+    (benchmarks compare)."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -37,7 +42,7 @@ class CpuAttentionBackend(AttentionBackend):
         # [outer * inner, kv_heads, D] row views per layer (no copies)
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
-        self.batched_decode = cpu_decode.use_kernel(kv.spec.dtype)
+        self.batched_decode = self.batched_prefill = cpu_batches.use_kernels(kv.spec.dtype)
 
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> CpuStepMetadata:
@@ -45,27 +50,38 @@ class CpuAttentionBackend(AttentionBackend):
         ctx = np.asarray(context_lens, dtype=np.int64).reshape(-1)
         qlens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
         req, pos = token_positions(ctx, qlens)
-        decode = (cpu_decode.decode_batch(addr, context_lens, query_lens)
+        decode = (cpu_batches.decode_batch(addr, context_lens, query_lens)
                   if self.batched_decode else None)
+        prefill = (cpu_batches.prefill_batch(addr, context_lens, query_lens)
+                   if self.batched_prefill else None)
         seq_rows: list[slice | torch.Tensor] = []
         for b, (c, n) in enumerate(zip(context_lens, query_lens, strict=True)):
-            if decode is not None and n == 1:
-                seq_rows.append(slice(0, 0))  # the kernel reads it in place
+            if (decode is not None and n == 1) or (prefill is not None and n > 1):
+                seq_rows.append(slice(0, 0))  # a kernel reads it in place
                 continue
             rows = addr.sequence_rows(b, c + n)
             seq_rows.append(rows if isinstance(rows, slice) else torch.from_numpy(rows))
         return CpuStepMetadata(list(request_ids), list(context_lens), list(query_lens),
-                               torch.from_numpy(addr.rows(req, pos)), addr, decode, seq_rows)
+                               torch.from_numpy(addr.rows(req, pos)), addr, decode, prefill,
+                               seq_rows)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert isinstance(meta, CpuStepMetadata)
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
         k_flat, v_flat = self._flat[layer]
         k_flat.index_copy_(0, meta.write_rows, k)
         v_flat.index_copy_(0, meta.write_rows, v)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float
+               ) -> torch.Tensor:
+        assert isinstance(meta, CpuStepMetadata)
+        k_flat, v_flat = self._flat[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         if meta.decode is not None:
-            cpu_decode.run(meta.decode, q, k_flat, v_flat, out, scale)
-        attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens, meta.seq_rows,
-                    scale, skip_decode=meta.decode is not None)
+            cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale)
+        if meta.prefill is not None:
+            cpu_batches.run_prefill(meta.prefill, q, k_flat, v_flat, out, scale)
+        if meta.decode is None or meta.prefill is None:
+            attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens,
+                        meta.seq_rows, scale, skip_decode=meta.decode is not None,
+                        skip_prefill=meta.prefill is not None)
         return out

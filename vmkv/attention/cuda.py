@@ -162,13 +162,10 @@ class CudaAttentionBackend(AttentionBackend):
         step = self.build_step(request_ids, context_lens, query_lens)
         return self.metadata(step, self.staging.pack(step.arrays))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert isinstance(meta, CudaStepMetadata)
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
         k_flat, v_flat = self._flat[layer]
         self._store(k_flat, v_flat, meta.write_rows, k, v)
-        out = self.attend(layer, q, meta, scale)  # [T, Hq, D]
-        return out.reshape(q.shape[0], q.shape[1] * q.shape[2])
 
     # -- step building ------------------------------------------------------------------------
     def build_step(self, request_ids: list[str], context_lens: list[int],
@@ -226,9 +223,15 @@ class CudaAttentionBackend(AttentionBackend):
             is_decode=step.is_decode)
 
     # -- kernels ------------------------------------------------------------------------------
-    def attend(self, layer: int, q: torch.Tensor, meta: CudaStepMetadata, scale: float
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float
                ) -> torch.Tensor:
-        """Attention of ``q [T, Hq, D]`` over the cache (new rows already written)."""
+        assert isinstance(meta, CudaStepMetadata)
+        t, heads, dim = q.shape
+        return self._kernel(layer, q, meta, scale).reshape(t, heads * dim)
+
+    def _kernel(self, layer: int, q: torch.Tensor, meta: CudaStepMetadata, scale: float
+                ) -> torch.Tensor:
+        """``[T, Hq, D]`` attention of ``q [T, Hq, D]`` with the chosen kernel."""
         k_flat, v_flat = self._flat[layer]
         if self.kernel == "aten-flash":
             out = self._varlen(q, k_flat, v_flat, meta.cu_seqlens_q, meta.cu_seqlens_k,

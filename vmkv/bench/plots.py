@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange", "virtual+prefix": "tab:green",
-               "paged+prefix": "tab:red"}
+               "paged+prefix": "tab:red", "virtual+json": "tab:purple", "paged+json": "tab:brown"}
 
 
 def _pyplot() -> Any:
@@ -91,4 +91,27 @@ def kernels(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xticks(contexts, [str(c) for c in contexts])
         ax.legend(fontsize="x-small")
+    _save(fig, path)
+
+
+def profile(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Per phase, the step split into its parts (stacked), beside the parts' rooflines."""
+    from vmkv.bench.profile import PARTS
+
+    plt = _pyplot()
+    phases = result["phases"]
+    fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 3.8))
+    colors = plt.get_cmap("tab10").colors
+    for ax, phase in zip(np.atleast_1d(axes), phases, strict=True):
+        for x, key in ((0, None), (1, "roofline_ms")):
+            bottom = 0.0
+            for i, part in enumerate(PARTS):
+                value = phase[part] if key is None else phase[key][part]
+                ax.bar(x, value, bottom=bottom, color=colors[i], label=part if x == 0 else None)
+                bottom += value
+        ax.set_xticks([0, 1], ["measured", "roofline"])
+        ax.set(ylabel="ms per step",
+               title=f"{phase['phase']}: {phase['new_tokens']} new tokens, "
+                     f"{phase['output_tokens_per_s']:.0f} out tok/s")
+        ax.legend(fontsize="small")
     _save(fig, path)

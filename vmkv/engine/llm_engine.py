@@ -20,7 +20,7 @@ from vmkv.attention import create_attention_backend
 from vmkv.config import EngineConfig
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
-from vmkv.engine.model_runner import ModelRunner
+from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
@@ -29,8 +29,12 @@ from vmkv.kv import create_kv_cache
 from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
+from vmkv.models.compile import try_compile
 from vmkv.sampling import Sampler, SamplingState
+from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
+from vmkv.structured.compiler import GrammarCompilerCache
+from vmkv.structured.matcher import GrammarState
 
 logger = logging.getLogger("vmkv")
 
@@ -71,15 +75,20 @@ class LLMEngine:
                                   num_slots=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=config.device)
         self.attn = create_attention_backend(self.kv)
+        # CPU: the decoder layers compiled with TorchInductor (off: --enforce-eager or
+        # VMKV_COMPILE=0; without a compiler or on a failure: eager, logged)
+        self.compiled = (config.device == "cpu" and not config.enforce_eager
+                         and envs.compile_enabled()
+                         and try_compile(self.model, self._warm_up_step))
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
         # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
         self.mapper: BackgroundMapper | None = None
         if envs.background_mapper():
             self.mapper = self.kv.start_background_mapper()
-        # decode steps as CUDA graphs (off with VMKV_CUDA_GRAPHS=0); None on CPU
-        self.graphs = maybe_create_graph_runner(self.model, self.attn,
-                                                max_batch_size=config.max_num_seqs,
-                                                mapper=self.mapper)
+        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0); None on
+        # the CPU
+        self.graphs = None if config.enforce_eager else maybe_create_graph_runner(
+            self.model, self.attn, max_batch_size=config.max_num_seqs, mapper=self.mapper)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
@@ -90,11 +99,28 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
+        # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
+        self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
+                                             self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.startup_seconds = time.monotonic() - started
         for line in self.startup_report():
             logger.info(line)
+
+    def _warm_up_step(self, num_tokens: int) -> None:
+        """One real forward of ``num_tokens`` tokens of a throw-away request (compiles the
+        graph of that size); its KV is freed again."""
+        rid = "__vmkv_warm_up__"
+        if not self.kv.allocate(rid, num_tokens):
+            raise RuntimeError(f"no KV room for a {num_tokens}-token warm-up step")
+        try:
+            meta = self.attn.prepare([rid], [0], [num_tokens])
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.model.device)
+            positions = torch.arange(num_tokens, device=self.model.device)
+            self.model.forward(ids, positions, self.attn, meta)
+        finally:
+            self.kv.free(rid)
 
     # -- reporting ----------------------------------------------------------------------------
     def startup_report(self) -> list[str]:
@@ -108,6 +134,7 @@ class LLMEngine:
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
             kv.describe(),
+            "decoder layers compiled (TorchInductor)" if self.compiled else "model runs eagerly",
         ]
         return lines
 
@@ -133,10 +160,17 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string (or None to share the "
                              f"unsalted cache), got {cache_salt!r}")
+        if max_tokens == 0 and params.n != 1:
+            raise ValueError(f"max_tokens=0 (score the prompt only) needs n=1, got n={params.n}")
+        grammar = None
+        if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
+            grammar = self.grammars.new_state(params.structured_outputs)
         req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        seq = self._new_sequence(req, 0, list(ids))
+        seq = self._new_sequence(req, 0, list(ids), grammar)
         seq.pending_forks = params.n - 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -171,12 +205,13 @@ class LLMEngine:
                 f"{params.max_tokens} in max_tokens)")
         return params.max_tokens
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int],
+                      grammar: GrammarState | None = None) -> Sequence:
         params = req.params
         if index and params.seed is not None:  # each sample its own reproducible stream
             params = replace(params, seed=(params.seed + index) % 2**63)
         state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              device=self.config.device)
+                              grammar=grammar, device=self.config.device)
         seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
                        len(req.prompt_token_ids), state)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
@@ -242,7 +277,8 @@ class LLMEngine:
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            logits, ready = self.runner.execute(out)
+            logits, ready, prompt_hidden = self.runner.execute(out)
+            self._record_prompt_logprobs(prompt_hidden)
             self.scheduler.update(out)
             if self.mapper is not None:  # map ahead while the GPU computes; any KV call
                 # waits for it (sampling below syncs with the GPU first)
@@ -253,11 +289,23 @@ class LLMEngine:
                 self.mapper.wait()  # idle between steps (abort/add never race with it)
         return [self._output(req) for req in touched.values()]
 
+    def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
+        """Score the prompt tokens this step's prefill chunks predict (in the same forward)."""
+        for seq, first, hidden in prompt_hidden:
+            req = seq.request
+            targets = seq.token_ids[first + 1 : first + 1 + len(hidden)]
+            req.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden,
+                                                       targets, req.params.prompt_logprobs))
+
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, seq in enumerate(ready):
+            if seq.request.max_tokens == 0:  # only the prompt was wanted (its logprobs)
+                self._finish(seq, "length")
+                touched[seq.request.request_id] = seq.request
+                continue
             try:
                 children = self._fork(seq)
             except VmmError as exc:
@@ -268,7 +316,7 @@ class LLMEngine:
                 rows.append(row)
         if not seqs:
             return
-        if len(rows) != len(ready):
+        if rows != list(range(len(ready))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, [s.sampling_state for s in seqs])
         now = time.monotonic()
@@ -285,8 +333,10 @@ class LLMEngine:
         """After the prompt, make the n-1 other samples share the parent's KV; VmmError when
         the memory is refused (the request must fail)."""
         req, children = parent.request, []
+        grammar = parent.sampling_state.grammar
         for index in range(1, parent.pending_forks + 1):
-            child = self._new_sequence(req, index, list(parent.token_ids))
+            child = self._new_sequence(req, index, list(parent.token_ids),
+                                       grammar.fork() if grammar is not None else None)
             try:
                 forked = self.kv.fork(parent.seq_id, child.seq_id)
             except VmmError:
@@ -310,12 +360,23 @@ class LLMEngine:
             entry = {token: float(logprob)} if logprob is not None else {}
             entry.update({t: float(v) for t, v in (top or [])})
             seq.logprobs.append(entry)
+        grammar = seq.sampling_state.grammar
+        if grammar is not None and not grammar.accept(token):  # the mask makes this unreachable
+            logger.error("%s: the grammar rejected token %d; aborting", seq.seq_id, token)
+            self._finish(seq, "abort")
+            return
         start = len(seq.output_text)
         seq.output_text += seq.detokenizer.step(seq.token_ids)
         check_stop(seq, start, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is None and grammar is not None and grammar.is_terminated:
+            seq.finish_reason = "stop"  # the grammar took EOS although ignore_eos was set
         if seq.finish_reason is not None:
-            self.scheduler.remove(seq)
-            self.counters.finished[seq.finish_reason] += 1
+            self._finish(seq, seq.finish_reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.counters.finished[reason] += 1
 
     # -- outputs ------------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -343,7 +404,9 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
                                  req.first_token_time, req.finish_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished, metrics, req.num_cached_tokens, req.error)
+                             finished, metrics, req.num_cached_tokens, req.error,
+                             prompt_logprobs=None if req.prompt_logprobs is None
+                             else list(req.prompt_logprobs))
 
     def close(self) -> None:
         """Abort everything and release the KV memory."""

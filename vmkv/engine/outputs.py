@@ -43,6 +43,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = field(default=None)  # set when the request failed (finish "error")
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob}; None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

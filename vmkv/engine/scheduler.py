@@ -204,7 +204,8 @@ class Scheduler:
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:
         """Cached tokens for a sequence about to be admitted fresh (0 if none)."""
-        if seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None:
+        if (seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None
+                or seq.request.params.prompt_logprobs is not None):  # (recompute to score it)
             return 0
         hit = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
         seq.num_computed_tokens = hit

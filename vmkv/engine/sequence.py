@@ -42,6 +42,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # requests with different salts never share cached KV
     error: str | None = None  # why the request failed (its KV memory was refused), if it did
+    # with params.prompt_logprobs: per prompt token {token_id: logprob}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -84,6 +86,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def prompt_logprobs_from(self) -> int:
+        """First prompt position whose logprob target is still missing (the request's
+        ``num_prompt_tokens`` when it wants none or has them all)."""
+        recorded = self.request.prompt_logprobs
+        return self.num_prompt_tokens if recorded is None else len(recorded) - 1
 
     @property
     def num_new_tokens(self) -> int:

@@ -1,8 +1,10 @@
-"""CPU twins: batched decode attention reading the KV cache in place (``csrc/cpu_attention.cpp``).
+"""CPU twins: batched attention reading the KV cache in place (``csrc/cpu_attention.cpp``).
 
-One call per layer covers every decoding request: contiguous slots (virtual mode, row
-``start + t``) or a block table (paged mode, row ``table[t // bs] * bs + t % bs``). The same
-loops run in both modes, so they produce bit-identical outputs on the same data. float32 only.
+One call per layer covers every decoding request (:func:`decode`), and one every prefill chunk
+(:func:`prefill`: many queries per request, causal after its cached context): contiguous slots
+(virtual mode, row ``start + t``) or a block table (paged mode, row ``table[t // bs] * bs +
+t % bs``). The same loops run in both modes, so they produce bit-identical outputs on the same
+data. float32 only.
 
 The library builds once with ``g++ -O3 -fopenmp`` (about a second; cached, see
 :mod:`vmkv.kernels.build`). Where no compiler is available :func:`available` is False and the
@@ -35,6 +37,9 @@ _ARGTYPES = [
 ]
 
 
+_PREFILL_ARGTYPES = _ARGTYPES[:11] + [_PTR, _PTR] + _ARGTYPES[11:]  # + q starts, q lens
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     compiler = shutil.which("g++") or shutil.which("c++")
@@ -48,6 +53,8 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.vmkv_cpu_decode_attention.argtypes = _ARGTYPES
     lib.vmkv_cpu_decode_attention.restype = ctypes.c_int
+    lib.vmkv_cpu_prefill_attention.argtypes = _PREFILL_ARGTYPES
+    lib.vmkv_cpu_prefill_attention.restype = ctypes.c_int
     return lib
 
 
@@ -97,3 +104,48 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "
                          f"k {tuple(k_rows.shape)}, block_size {block_size}")
     return out.view(batch, heads * dim)
+
+
+def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start: torch.Tensor,
+            q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
+            starts: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+            block_size: int = 0) -> None:
+    """Causal attention of prefill chunks, written into ``out``.
+
+    Entry ``b`` owns rows ``q_start[b] .. + q_lens[b]`` of ``q [T, heads, D]`` and of
+    ``out [T, heads * D]`` (other rows are left alone), and has ``seq_lens[b]`` tokens cached
+    including those new ones (all int32 ``[B]``); its query ``i`` sees its tokens ``0 ..
+    seq_lens[b] - q_lens[b] + i``, addressed by ``starts`` or ``block_table`` as in
+    :func:`decode`. Nothing else is read.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+    if q.dtype != torch.float32 or k_rows.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"the CPU prefill kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
+    if (starts is None) == (block_table is None):
+        raise ValueError("give exactly one of starts or block_table")
+    if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    tokens, heads, dim = q.shape
+    if out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{tokens}, {heads * dim}], got {tuple(out.shape)}")
+    q_start, q_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_lens))
+    lens = seq_lens.to(torch.int32).contiguous()
+    table_stride = 0
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+        table_stride = block_table.stride(0)
+    else:
+        starts = starts.to(torch.int64).contiguous()
+    err = lib.vmkv_cpu_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
+        starts.data_ptr() if starts is not None else None,
+        block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
+        q_start.data_ptr(), q_lens.data_ptr(), lens.data_ptr(), len(lens), heads,
+        k_rows.shape[1], dim, float(scale), out.data_ptr(), out.stride(0), dim,
+    )
+    if err:
+        raise ValueError(f"bad arguments to the CPU prefill kernel: q {tuple(q.shape)}, "
+                         f"k {tuple(k_rows.shape)}, block_size {block_size}")

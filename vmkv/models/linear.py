@@ -38,8 +38,29 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
-                                                  "")
+        if torch.compiler.is_compiling():  # opaque to Inductor: the packed call as it is
+            return torch.ops.vmkv.packed_linear(x, self.packed_weight, self.bias,
+                                                self.out_features)
+        return _onednn_linear(x, self.packed_weight, self.bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("vmkv::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """oneDNN's linear on a weight packed by ``_reorder_linear_weight`` (Inductor has no
+    lowering for a weight packed outside it, so compiled code calls this op)."""
+    return _onednn_linear(x, packed_weight, bias)
+
+
+@_packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor,
+                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) -> int:

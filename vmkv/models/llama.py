@@ -4,9 +4,14 @@ A step is a flat batch of tokens from several requests (prefill chunks and decod
 
     input_ids [T], positions [T]  ->  embed -> L x (attn + MLP) -> norm  ->  hidden [T, hidden]
 
-The model keeps no KV: every layer hands its new q/k/v to the :class:`AttentionBackend`, which
+The model keeps no KV: every layer hands its new q/k/v to the step's :class:`AttentionBackend`
+(through :func:`vmkv.attention.op.attention`, an opaque operator to ``torch.compile``), which
 writes K/V into the cache manager's memory and attends. Weights use vmkv names (fused
 ``qkv_proj`` and ``gate_up_proj``); :mod:`vmkv.models.loader` maps HF checkpoints onto them.
+
+:meth:`LlamaModel.body` is the forward over tensors only (what a compiler sees);
+:meth:`LlamaModel.forward` sets the step's attention around it and runs it, compiled when
+:func:`vmkv.models.compile.compile_model` replaced it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
+from vmkv.attention.op import attention, attention_step
 from vmkv.models.config import ModelConfig
 from vmkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -24,10 +30,8 @@ Device = torch.device | str | None
 class LlamaAttention(nn.Module):
     """Fused QKV projection, optional per-head q/k RMSNorm, RoPE, backend attention, output."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, device: Device, dtype: torch.dtype
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, *, device: Device, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
@@ -41,8 +45,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos, sin: [T, 1, head_dim]
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
@@ -54,28 +57,26 @@ class LlamaAttention(nn.Module):
         else:  # q and k heads are adjacent: rotate them in one go
             qk = apply_rope(heads[:, : hq + self.num_kv_heads], cos, sin)  # [T, Hq + Hkv, D]
             q, k = qk[:, :hq], qk[:, hq:]
-        out = attn.forward(self.layer, q, k, v, meta, self.scale)  # [T, Hq * D]
+        out = attention(q, k, v, self.scale)  # [T, Hq * D], this layer's (the step counts)
         return self.o_proj(out)  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, device: Device, dtype: torch.dtype
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, *, device: Device, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device,
                                        dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, layer, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, device=device, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 device=device, dtype=dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
                             device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,14 +92,16 @@ class LlamaModel(nn.Module):
         # NOTE: an explicit weight skips normal_() init, which on meta imports torch._dynamo
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
             cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, device=device, dtype=dtype)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, device=device, dtype=dtype)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device,
                                  dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
                                       device=rope_device if rope_device is not None else device)
         self.requires_grad_(False)
+        #: what :meth:`forward` runs: :meth:`body`, or a compiled version of it
+        self.run_body = self.body
 
     @property
     def device(self) -> torch.device:
@@ -135,10 +138,16 @@ class LlamaModel(nn.Module):
         ``input_ids``, ``positions``: ``[T]`` int64 on the model's device, flattened in
         ``meta``'s request order; the KV manager must already hold room for every token.
         """
+        with attention_step(attn, meta):
+            return self.run_body(input_ids, positions)
+
+    def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward over tensors only (``input_ids, positions [T]`` -> ``[T, hidden]``);
+        attention goes to the step set by :meth:`forward`."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # [T, 1, head_dim] each
         for layer in self.layers:
-            x = layer(x, cos, sin, attn, meta)
+            x = layer(x, cos, sin)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

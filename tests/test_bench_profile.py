@@ -1,0 +1,42 @@
+"""`vmkv bench profile`: a decode and a prefill step of the real engine, split into parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vmkv.bench.profile import PARTS
+from vmkv.cli import main
+
+
+@pytest.mark.usefixtures("default_model")
+@pytest.mark.parametrize(("kv_mode", "compiled"), [("virtual", False), ("paged", False),
+                                                  ("virtual", True)])
+def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, compiled: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager and compiled engines alike: the linears and attention stay visible."""
+    monkeypatch.setenv("VMKV_COMPILE", "1" if compiled else "0")
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["bench", "profile", "--kv-mode", kv_mode, "--batch-size", "3",
+                 "--context-len", "40", "--prefill-batch", "2", "--prefill-len", "24",
+                 "--repeats", "2", "--warmup", "1", "--json", str(out), "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compiled"] == compiled
+    assert result["rates"]["gemm_flops_per_s"] > 1e9
+    assert result["rates"]["bandwidth_bytes_per_s"] > 1e8
+    decode, prefill = result["phases"]
+    assert (decode["new_tokens"], decode["sampled"]) == (3, 3)
+    assert (prefill["new_tokens"], prefill["sampled"]) == (48, 2)
+    for phase in (decode, prefill):
+        # medians of parts need not add up exactly; each sample's parts do (to rounding)
+        assert sum(phase[p] for p in PARTS) == pytest.approx(phase["step_ms"], rel=0.25)
+        assert all(phase[p] >= 0 for p in PARTS if p != "engine_python")
+        assert phase["gemm"] > 0 and phase["attention"] > 0 and phase["lm_head"] > 0
+        # 30 layers x 4 linears x 2 FLOPs per multiply-add of the model's weights
+        assert phase["gemm_flops"] == 2 * phase["new_tokens"] * 30 * (
+            576 * (576 + 2 * 192) + 576 * 576 + 576 * 2 * 1536 + 1536 * 576)
+        assert 0 <= phase["cores_idle"] <= 1
+        assert set(phase["roofline_ms"]) == set(PARTS)
+    assert png.stat().st_size > 1000

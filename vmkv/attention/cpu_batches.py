@@ -1,0 +1,109 @@
+"""A CPU step's requests, batched into one in-place kernel call per layer for each kind.
+
+A step mixes decodes (1 new token) and prefill chunks (many, causal after the cached context).
+The CPU backend hands every decode to :func:`vmkv.kernels.cpu_attention.decode` at once and every
+prefill chunk to :func:`vmkv.kernels.cpu_attention.prefill` at once, both reading the cache in
+place (slot rows in virtual mode, block-table rows in paged mode); SDPA per request is the
+fallback (no compiler, or not float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vmkv.kernels import cpu_attention
+from vmkv.kv.addressing import Addressing
+
+
+@dataclass
+class Rows:
+    """How a batch's entries find their cache rows: slot starts or a block table."""
+
+    starts: torch.Tensor | None = None  # virtual: [n] int64 first flat row of each slot
+    block_table: torch.Tensor | None = None  # paged: [n, max_blocks] int32
+    block_size: int = 0
+
+    @classmethod
+    def of(cls, addr: Addressing, entries: np.ndarray) -> Rows:
+        """The rows of batch entries ``entries`` of the step addressed by ``addr``."""
+        if addr.paged:
+            return cls(block_table=torch.from_numpy(np.ascontiguousarray(
+                addr.block_table[entries])), block_size=addr.block_size)
+        return cls(starts=torch.from_numpy(addr.slot_ids[entries] * addr.slot_tokens))
+
+
+@dataclass
+class DecodeBatch:
+    """The decoding requests of a step."""
+
+    query_rows: torch.Tensor | None  # rows of q/out that decode; None: every row decodes
+    seq_lens: torch.Tensor  # [n] int32, cached tokens + the new one
+    rows: Rows
+
+
+@dataclass
+class PrefillBatch:
+    """The prefill chunks (more than one new token) of a step."""
+
+    q_start: torch.Tensor  # [n] int32 first row of each chunk in q / out
+    q_lens: torch.Tensor  # [n] int32 new tokens
+    seq_lens: torch.Tensor  # [n] int32 cached + new tokens
+    rows: Rows
+
+
+def use_kernels(dtype: torch.dtype) -> bool:
+    """Whether the batched kernels serve this cache (float32 and a C++ compiler present)."""
+    return dtype == torch.float32 and cpu_attention.available()
+
+
+def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
+                 ) -> DecodeBatch | None:
+    """The one-token requests of a step, addressed for the kernel; None when there are none."""
+    idx = [i for i, n in enumerate(query_lens) if n == 1]
+    if not idx:
+        return None
+    offsets = np.cumsum([0, *query_lens[:-1]])
+    rows = offsets[idx]
+    return DecodeBatch(
+        query_rows=None if len(idx) == len(query_lens) else torch.from_numpy(rows),
+        seq_lens=torch.tensor([context_lens[i] + 1 for i in idx], dtype=torch.int32),
+        rows=Rows.of(addr, np.asarray(idx)))
+
+
+def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
+                  ) -> PrefillBatch | None:
+    """The chunks of more than one token, addressed for the kernel; None when there are none."""
+    idx = [i for i, n in enumerate(query_lens) if n > 1]
+    if not idx:
+        return None
+    offsets = np.cumsum([0, *query_lens[:-1]])
+    return PrefillBatch(
+        q_start=torch.from_numpy(offsets[idx].astype(np.int32)),
+        q_lens=torch.tensor([query_lens[i] for i in idx], dtype=torch.int32),
+        seq_lens=torch.tensor([context_lens[i] + query_lens[i] for i in idx], dtype=torch.int32),
+        rows=Rows.of(addr, np.asarray(idx)))
+
+
+def run_decode(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+               out: torch.Tensor, scale: float) -> None:
+    """Attend every decode of ``batch`` and write its rows of ``out [T, heads*D]``."""
+    qd = q if batch.query_rows is None else q.index_select(0, batch.query_rows)
+    r = batch.rows
+    res = cpu_attention.decode(qd, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
+                               block_table=r.block_table, block_size=r.block_size)
+    if batch.query_rows is None:
+        out.copy_(res)
+    else:
+        out.index_copy_(0, batch.query_rows, res)
+
+
+def run_prefill(batch: PrefillBatch, q: torch.Tensor, k_flat: torch.Tensor,
+                v_flat: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Attend every chunk of ``batch``, writing its rows of ``out [T, heads*D]`` in place."""
+    r = batch.rows
+    cpu_attention.prefill(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens, scale,
+                          out, starts=r.starts, block_table=r.block_table,
+                          block_size=r.block_size)
