@@ -8,8 +8,8 @@ import asyncio
 import json
 import random
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -22,6 +22,7 @@ from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("default_model")
+T = TypeVar("T")
 
 
 def on_engine(srv: Running, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -81,6 +82,11 @@ def run_all(coros: Callable[[httpx.AsyncClient], list]) -> list:
     return asyncio.run(main())
 
 
+async def after(delay: float, coro: Awaitable[T]) -> T:
+    await asyncio.sleep(delay)
+    return await coro
+
+
 def text_of(body: dict, events: list[Any]) -> str:
     if not body.get("stream"):
         return events[0]["choices"][0]["text"]
@@ -103,7 +109,11 @@ def test_a_full_queue_answers_503_with_retry_after(two_seqs: AsyncEngine) -> Non
     try:
         body = {"prompt": "Count to a hundred:", "max_tokens": 48, "ignore_eos": True,
                 "temperature": 0}
-        results = run_all(lambda c: [complete(c, busy.url, body) for _ in range(10)])
+        # 50 ms apart: each request is tokenised before the next arrives, so what fills up is the
+        # engine's queue (--max-waiting-requests); sent all at once, the tokenizer pool (bounded
+        # by the same number) refuses them first, with 503 "busy" (timing-dependent)
+        results = run_all(lambda c: [after(0.05 * i, complete(c, busy.url, body))
+                                     for i in range(10)])
         refused = [r for r in results if r[0] == 503]
         served = [r for r in results if r[0] == 200]
         assert len(refused) + len(served) == 10 and refused and len(served) >= 2
