@@ -2,20 +2,21 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``.
-Every request is tokenised here; the engine thread only schedules and runs steps. A client that
-disconnects has its requests aborted (KV freed) at once, streaming or not.
+Every request is tokenised here, off the event loop (vmkv/server/workers.py); the engine thread
+only schedules and runs steps. A client that disconnects has its requests aborted (KV freed) at
+once, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,21 +24,35 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vmkv
-from vmkv.chat_template import NoChatTemplateError, chat_token_ids
+from vmkv.chat_template import NoChatTemplateError
 from vmkv.config import ServerConfig
-from vmkv.engine.async_engine import AsyncEngine, RequestStream
+from vmkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from vmkv.engine.outputs import RequestOutput
 from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
 from vmkv.sampling_params import SamplingParams
 from vmkv.server import responses as R
-from vmkv.server.errors import APIError, error_response, install_error_handlers
-from vmkv.server.metrics import Metrics, take_snapshot
+from vmkv.server.auth import ApiKey
+from vmkv.server.errors import RETRY_AFTER, APIError, error_response, install_error_handlers
+from vmkv.server.limits import InputLimits
+from vmkv.server.metrics import Metrics
+from vmkv.server.prompt_logprobs import (
+    echo_logprobs,
+    prompt_logprobs_wanted,
+    vllm_prompt_logprobs,
+)
 from vmkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from vmkv.server.schema import install_request_schemas, request_body
+from vmkv.server.shutdown import Admission, Lifecycle
+from vmkv.server.structured import prepare_structure
+from vmkv.server.tools import ToolPlan, plan_tools
+from vmkv.server.workers import MAX_PENDING, Workers
+
+M = TypeVar("M")
 
 
 class _BodyLimit:
@@ -66,26 +81,6 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
-class _ApiKey:
-    """ASGI middleware: ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer <key>``
-    (constant-time check).
-
-    Pure ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware wraps the receive
-    channel and hides client disconnects from the endpoints.
-    """
-
-    def __init__(self, app: Any, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/reset_prefix_cache")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key")
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
 def served_name(model: str | None) -> str:
     """The name a model is served under when none is given: its folder's (or file's) name."""
     return DEFAULT_MODEL if is_default_name(model) else Path(model).name
@@ -96,21 +91,35 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     ``config.served_model_name`` the model is served under :func:`served_name`."""
     if config.served_model_name is None:
         config = replace(config, served_model_name=served_name(engine.engine.config.model))
-    app = FastAPI(title="vmkv", version=vmkv.__version__)
-    install_error_handlers(app)
-    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
     metrics = Metrics(config.served_model_name)
-    api = _Api(engine, config, metrics)
+    lifecycle = Lifecycle(engine, metrics)
     llm = engine.engine
-    tokenizer = llm.tokenizer
+    limits = InputLimits.for_model(llm.tokenizer, llm.max_model_len,
+                                   llm.model_config.vocab_size)
+    workers = Workers(llm.tokenizer, limits,
+                      max_pending=config.max_waiting_requests or MAX_PENDING)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        workers.close()  # the worker threads and the parser process end with the server
+
+    app = FastAPI(title="vmkv", version=vmkv.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    api = _Api(engine, config, metrics, workers, lifecycle)
+    # outermost last: the key is checked first, then draining, then the body's size
+    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(Admission, lifecycle=lifecycle)
     if config.api_key:
-        app.add_middleware(_ApiKey, key=config.api_key)
+        app.add_middleware(ApiKey, key=config.api_key)
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
             return error_response(503, f"the engine loop died: {engine.dead!r}")
+        if lifecycle.draining:
+            return error_response(503, "draining: the server is shutting down",
+                                  headers=RETRY_AFTER)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -121,13 +130,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "vmkv", "root": str(llm.model_path), "max_model_len": llm.max_model_len,
+            "owned_by": "vmkv", "root": served_name(llm.config.model),  # no local paths
+            "max_model_len": llm.max_model_len,
         }]}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        if engine.is_alive:
-            metrics.snapshot = await engine.call(take_snapshot)
+        await metrics.refresh(engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
@@ -135,78 +144,119 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         dropped = await engine.call(lambda e: e.reset_prefix_cache())
         return {"dropped_units": dropped}
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    # bodies are parsed by api.parse (off the loop when large), not by FastAPI on the loop;
+    # request_body() puts their models in the OpenAPI description all the same
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(raw: Request) -> dict:
+        body = await api.parse(raw, TokenizeRequest)
         api.check_model(body.model)
         if body.messages is not None:
-            ids = api.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+            ids = await api.chat_ids([m.as_dict() for m in body.messages],
+                                     body.add_generation_prompt)
         else:
-            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = await workers.run(lambda: llm.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> dict:
+        body = await api.parse(raw, DetokenizeRequest)
         api.check_model(body.model)
-        api.check_token_ids(body.tokens)
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await workers.decode(body.tokens)}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await api.completions(body, raw)
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await api.completions(await api.parse(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await api.chat(body, raw)
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await api.chat(await api.parse(raw, ChatCompletionRequest), raw)
 
+    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                  DetokenizeRequest])
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
+    app.state.workers = workers
     return app
 
 
 class _Api:
     """The generation endpoints' logic, kept out of the route table."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics,
+                 workers: Workers, lifecycle: Lifecycle) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.workers = workers
+        self.lifecycle = lifecycle
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.token_text = R.TokenText(self.tokenizer)
+
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The body as ``model``, after vmkv/server/limits.py's checks (off the loop when
+        large, vmkv/server/workers.py)."""
+        return await self.workers.parse(await raw.body(), model)
+
+    async def encode(self, prompt: str) -> list[int]:
+        ids = await self.workers.encode(prompt)
+        self.workers.limits.check_prompt_tokens(len(ids))
+        return ids
 
     # -- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
-    def check_token_ids(self, ids: list[int]) -> None:
-        vocab = self.llm.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-
     def check_n(self, n: int) -> None:
         if not 1 <= n <= self.config.max_n:
             raise APIError(400, f"n must be in 1..{self.config.max_n}, got {n}", "n")
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool,
+                       tools: list[dict] | None = None) -> list[int]:
         try:
-            return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+            ids = await self.workers.encode_chat(messages, add_generation_prompt, tools)
         except NoChatTemplateError as exc:
             raise APIError(400, f"{exc}; use /v1/completions") from None
+        self.workers.limits.check_prompt_tokens(len(ids), "messages")
+        return ids
 
     # -- submit / collect ---------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                      cache_salt: str | None) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none."""
+        if self.lifecycle.aborting:  # past the shutdown deadline: nothing new starts
+            raise APIError(503, "the server is shutting down", headers=RETRY_AFTER)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add(f"{request_id}-{i}", ids, params,
-                                                     cache_salt))
+                streams.append(await self.engine.add(
+                    f"{request_id}-{i}", ids, params, cache_salt,
+                    max_waiting=self.config.max_waiting_requests or None))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return streams
+
+    def _deadline(self, streams: list[RequestStream], started: float
+                  ) -> asyncio.TimerHandle | None:
+        """Abort the streams ``--request-timeout`` seconds after ``started`` (they still get
+        their final output: finish_reason "abort", stop_reason "timeout")."""
+        timeout = self.config.request_timeout
+        if timeout is None:
+            return None
+
+        async def expire() -> None:
+            self.metrics.timeouts.labels(self.metrics.model_name).inc()
+            with contextlib.suppress(EngineDeadError):  # then the streams end with it anyway
+                for s in streams:
+                    await self.engine.abort(s.request_id, "timeout")
+
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(0.0, started + timeout - time.monotonic()),
+                               lambda: asyncio.ensure_future(expire()))
 
     async def merged(self, streams: list[RequestStream], started: float
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -222,17 +272,22 @@ class _Api:
                 await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        timer = self._deadline(streams, started)
         try:
             remaining = len(streams)
             while remaining:
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # its KV memory was refused: the request failed
+                    raise APIError(503, item.error)
                 self._observe(i, item, started, last)
                 if item.finished:
                     remaining -= 1
                 yield i, item
         finally:
+            if timer is not None:
+                timer.cancel()
             for t in tasks:
                 t.cancel()
             for s in streams:
@@ -281,22 +336,20 @@ class _Api:
         self.check_model(body.model)
         self.check_n(body.n)
         prompts: list[list[int]] = []
-        for p in body.prompts():
-            if isinstance(p, str):
-                prompts.append(self.tokenizer(p).input_ids)
-            else:
-                self.check_token_ids(p)
-                prompts.append(list(p))
+        for p in body.prompts():  # token ids were checked with the body (limits.py)
+            prompts.append(await self.encode(p) if isinstance(p, str) else list(p))
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs,
+                                      prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
+                                      structured_outputs=await prepare_structure(self.llm, body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
-        echo = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        echo = [await self.workers.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(
-                self._stream_completion(request_id, model, streams, started, n, echo, body,
-                                        sum(map(len, prompts))),
+                R.ending_with_errors(self._stream_completion(
+                    request_id, model, streams, started, n, echo, body, sum(map(len, prompts)))),
                 media_type="text/event-stream")
         outs = await self.collect(raw, streams, started)
         choices = []
@@ -309,6 +362,13 @@ class _Api:
                     choice["logprobs"] = R.completion_logprobs(
                         self.token_text, c.token_ids, c.logprobs or [], len(echo[i]),
                         body.logprobs)
+                    if body.echo:  # a prompt's worth of tokens: decoded off the loop
+                        choice["logprobs"] = await asyncio.to_thread(
+                            echo_logprobs, self.token_text, out, choice["logprobs"],
+                            body.logprobs)
+                if body.prompt_logprobs is not None:  # vLLM's extra, echo or not
+                    choice["prompt_logprobs"] = await asyncio.to_thread(
+                        vllm_prompt_logprobs, self.token_text, out)
                 choices.append(choice)
         return JSONResponse({
             **R.envelope(request_id, "text_completion", model), "choices": choices,
@@ -331,8 +391,11 @@ class _Api:
                 if tracker is None:
                     tracker = trackers[index] = R.ChoiceTracker(text_offset=len(echo[i]))
                     if echo[i]:
+                        lp = (await asyncio.to_thread(echo_logprobs, self.token_text, out,
+                                                      None, body.logprobs)
+                              if body.logprobs is not None else None)
                         yield R.sse({**base, "choices": [{"index": index, "text": echo[i],
-                                                          "logprobs": None,
+                                                          "logprobs": lp,
                                                           "finish_reason": None}]})
                 d = tracker.delta(c)
                 if d is None:
@@ -358,20 +421,26 @@ class _Api:
         started = time.monotonic()
         self.check_model(body.model)
         self.check_n(body.n)
-        ids = self.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
-        params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          self.tokenizer.chat_template, self.config.tool_call_parser)
+        ids = await self.chat_ids([m.as_dict() for m in body.messages],
+                                  body.add_generation_prompt, plan.tools)
+        params = body.sampling_params(
+            body.requested_max_tokens, body.num_logprobs,
+            structured_outputs=await prepare_structure(self.llm, body, plan.structure))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [ids], params, body.cache_salt)
         model = self.config.served_model_name
         if body.stream:
-            return StreamingResponse(self._stream_chat(request_id, model, streams, started,
-                                                       body, len(ids)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(R.ending_with_errors(self._stream_chat(
+                request_id, model, streams, started, body, len(ids), plan)),
+                media_type="text/event-stream")
         (out,) = await self.collect(raw, streams, started)
         choices = []
         for c in out.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": None, "finish_reason": c.finish_reason,
+            message, finish_reason = plan.message(c.text, c.finish_reason)
+            choice = {"index": c.index, "message": message,
+                      "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": c.stop_reason}
             if body.logprobs:
                 choice["logprobs"] = R.chat_logprobs(self.token_text, c.token_ids,
@@ -384,10 +453,11 @@ class _Api:
         })
 
     async def _stream_chat(self, request_id: str, model: str, streams: list[RequestStream],
-                           started: float, body: ChatCompletionRequest, prompt_tokens: int
-                           ) -> AsyncIterator[str]:
+                           started: float, body: ChatCompletionRequest, prompt_tokens: int,
+                           plan: ToolPlan) -> AsyncIterator[str]:
         base = R.envelope(request_id, "chat.completion.chunk", model)
         trackers: dict[int, R.ChoiceTracker] = {}
+        shapers = {index: plan.stream() for index in range(body.n)}
         completion_tokens = cached = 0
         for index in range(body.n):  # the role comes first, once per choice
             yield R.sse({**base, "choices": [{"index": index, "delta": {"role": "assistant",
@@ -404,10 +474,15 @@ class _Api:
                 if body.logprobs:
                     lp = R.chat_logprobs(self.token_text, d.token_ids, d.logprobs,
                                          body.top_logprobs or 0)
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield R.sse({**base, "choices": [{
-                    "index": c.index, "delta": delta, "logprobs": lp,
-                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+                deltas, finish_reason = shapers[c.index].feed(d.text, d.finish_reason)
+                if not deltas and (lp is not None or finish_reason is not None):
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield R.sse({**base, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                        "finish_reason": finish_reason if last else None,
+                        "stop_reason": d.stop_reason if last else None}]})
             if out.finished:
                 cached = out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:

@@ -7,14 +7,17 @@ latencies are observed here, in the server, from what it streams.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.llm_engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -38,6 +41,7 @@ class Snapshot:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_enabled: bool = False
+    taken_at: float = field(default_factory=time.monotonic)
 
 
 def take_snapshot(engine: LLMEngine) -> Snapshot:
@@ -113,6 +117,10 @@ class _EngineCollector(Collector):
         yield gauge("kv_token_bytes", "Bytes of live tokens' K/V.", u.get("token_bytes", 0))
         yield gauge("kv_virtual_reserved_bytes", "Virtual address space reserved for KV.",
                     u.get("virt_reserved_bytes", 0))
+        yield gauge("kv_pool_allocated_bytes", "KV pool memory the OS/driver has committed "
+                    "(host: the memfd's blocks; not RSS).", u.get("bytes_allocated", 0))
+        yield gauge("metrics_snapshot_age_seconds", "Age of the engine numbers above (a long "
+                    "step delays their refresh).", time.monotonic() - s.taken_at)
         for op, stats in s.memory_ops.items():
             yield counter(f"kv_{op}_calls", f"Page {op} calls.", stats["calls"])
             yield counter(f"kv_{op}_pages", f"Pages passed to {op}.", stats["pages"])
@@ -124,12 +132,18 @@ class _EngineCollector(Collector):
                         stats["p99_us"] / 1e6)
 
 
+#: how long /metrics waits for fresh engine numbers (read between two steps) before serving
+#: the previous ones; an idle engine answers in about a millisecond
+SNAPSHOT_WAIT = 1.0
+
+
 class Metrics:
-    """The registry: engine collector + request latency histograms."""
+    """The registry: engine collector, request latency histograms, refusals and timeouts."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot = Snapshot()
+        self._reading: asyncio.Future | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
 
@@ -140,6 +154,28 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency end to end.")
+        self.rejected = Counter("vmkv:requests_rejected", "Requests refused with 503 by "
+                                "reason: queue_full (--max-waiting-requests), busy (worker "
+                                "pools full), draining (shutting down).",
+                                ["model_name", "reason"], registry=self.registry)
+        self.timeouts = Counter("vmkv:request_timeouts", "Requests aborted by "
+                                "--request-timeout.", ["model_name"], registry=self.registry)
+
+    async def refresh(self, engine: AsyncEngine, wait: float = SNAPSHOT_WAIT) -> None:
+        """Read the engine's numbers (on its thread, between steps) into ``snapshot``, waiting
+        at most ``wait`` seconds: during a longer step /metrics answers with the previous
+        numbers (``metrics_snapshot_age_seconds`` says how old), and however often it is
+        scraped at most one read is queued on the engine thread."""
+        if not engine.is_alive:
+            return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(engine.call(take_snapshot))
+            self._reading.add_done_callback(self._store)
+        await asyncio.wait({self._reading}, timeout=wait)
+
+    def _store(self, reading: asyncio.Future) -> None:
+        if not reading.cancelled() and reading.exception() is None:
+            self.snapshot = reading.result()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

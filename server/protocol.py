@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vmkv.sampling_params import SamplingParams
 
@@ -43,10 +45,27 @@ class _Sampling(_Base):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    # structured outputs (server/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; raises ValueError naming the bad field."""
-        kw: dict[str, Any] = dict(
+    @field_validator("cache_salt")
+    @classmethod
+    def _salted(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:  # "" would silently share the unsalted cache
+            raise ValueError("cache_salt must be a non-empty string; omit it to share the "
+                             "unsalted cache")
+        return salt
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        **extra: Any) -> SamplingParams:
+        """The engine's parameters (``extra``: more SamplingParams fields); raises ValueError
+        naming the bad field."""
+        kw: dict[str, Any] = dict(extra,
             n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
@@ -67,6 +86,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extra; echo + logprobs implies it
     suffix: str | None = None
     best_of: int | None = None
 
@@ -93,6 +113,9 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         content = self.content
@@ -103,8 +126,14 @@ class ChatMessage(_Base):
                     raise ValueError(f"unsupported content part type {part.get('type')!r}")
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role,
+                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -115,6 +144,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -130,6 +162,17 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens)
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates expect it: the arguments as an object (as vLLM
+    passes them; templates render them with ``tojson``)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            fn["arguments"] = json.loads(args)
+    return {**call, "function": fn}
 
 
 class TokenizeRequest(_Base):

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vmkv.engine.async_engine import EngineDeadError
 from vmkv.engine.outputs import CompletionOutput
+from vmkv.server.errors import APIError, error_body
+
+logger = logging.getLogger("vmkv.server")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -23,6 +30,25 @@ def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event: ``data: {json}\\n\\n`` (or the literal ``[DONE]``)."""
     body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {body}\n\n"
+
+
+async def ending_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``, but a failure after the stream began (the status line is sent) ends it with
+    an error event and ``[DONE]`` (vLLM's convention) instead of a cut connection."""
+    try:
+        async with contextlib.aclosing(events):  # closed at once when the client leaves
+            async for event in events:
+                yield event
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param))
+        yield sse("[DONE]")
+    except EngineDeadError as exc:
+        yield sse(error_body(503, str(exc)))
+        yield sse("[DONE]")
+    except Exception as exc:  # noqa: BLE001 - the client must see an end, not a hang
+        logger.exception("stream failed")
+        yield sse(error_body(500, f"internal error: {type(exc).__name__}"))
+        yield sse("[DONE]")
 
 
 def envelope(request_id: str, obj: str, model: str, created: int | None = None

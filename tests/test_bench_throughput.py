@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vmkv.bench.throughput import summarise_runs
+from vmkv.bench.throughput import BENCH_STRUCTURE, summarise_runs
 from vmkv.cli import main
 
 pytestmark = pytest.mark.usefixtures("default_model")
@@ -89,6 +89,38 @@ def test_prefix_caching_compared_side_by_side_and_repetitions_start_cold(tmp_pat
     assert set(result["prefix_ratios"]) == {"virtual", "paged"}
     assert all(len(r) == 2 and min(r) > 0 for r in result["prefix_ratios"].values())
     assert len(result["ratios"]) == 2  # virtual/paged, caching off
+
+
+def test_structured_outputs_compared_at_the_same_lengths(tmp_path: Path) -> None:
+    """--compare-structured-outputs runs each engine plain and JSON-schema constrained in one
+    alternation; the constrained requests write exactly as many tokens, all of them valid
+    prefixes of BENCH_SCHEMA documents."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--kv-mode", "paged", *TINY, *ENGINE, "--repeats", "2",
+                 "--warmup-prompts", "1", "--compare-structured-outputs", "--no-progress",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["repeat"]) for r in result["runs"]] == [
+        ("paged", 0), ("paged+json", 0), ("paged+json", 1), ("paged", 1)]
+    for run in result["runs"]:
+        assert run["output_tokens"] == run["requested_output_tokens"] and not run["short_outputs"]
+    assert len(result["structured_ratios"]["paged"]) == 2
+    assert result["structured_ratio_median"]["paged"] > 0
+    assert len(result["structured_cpu_ratios"]["paged"]) == 2
+    assert all(r["cpu_s"] > 0 and r["output_tokens_per_cpu_s"] > 0 for r in result["runs"])
+    assert any(row["mode"] == "paged+json/paged" for row in result["rows"])
+
+
+def test_the_bench_schema_constrains_what_is_generated() -> None:
+    from vmkv import LLM
+    from vmkv.bench.throughput import params_for
+
+    llm = LLM(max_model_len=128)
+    text = llm.generate([1, 2, 3], params_for(40, BENCH_STRUCTURE),
+                        use_tqdm=False)[0].outputs[0].text
+    assert text.lstrip().startswith("[") and '"id"' in text
+    matcher = llm.engine.grammars.new_state(BENCH_STRUCTURE).matcher
+    assert matcher.accept_string(text) and not matcher.is_terminated()
 
 
 def test_ratios_are_per_repetition() -> None:

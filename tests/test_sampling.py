@@ -39,7 +39,8 @@ def test_defaults_are_vllms() -> None:
         n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, max_tokens=16,
         min_tokens=0, stop=(), stop_token_ids=(), ignore_eos=False, logprobs=None,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-        include_stop_str_in_output=False, skip_special_tokens=True,
+        include_stop_str_in_output=False, skip_special_tokens=True, prompt_logprobs=None,
+        structured_outputs=None,
     )  # fmt: skip
     assert dataclasses.asdict(p) == expected
     assert not p.is_greedy

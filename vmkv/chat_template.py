@@ -10,14 +10,16 @@ class NoChatTemplateError(ValueError):
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                   add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation under ``tokenizer``'s chat template.
+                   add_generation_prompt: bool = True,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a conversation under ``tokenizer``'s chat template (``tools``: OpenAI
+    tool definitions, rendered by templates that support them).
 
     Raises :class:`NoChatTemplateError` when the tokenizer has none.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError("this model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, tokenize=True,
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
                                         add_generation_prompt=add_generation_prompt)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (a dict)
         ids = ids["input_ids"]

@@ -78,8 +78,10 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
                engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m,
                                                     "enable_prefix_caching": on}))
                for m in modes for on in caching}
+    structured = throughput.BENCH_STRUCTURE if args.compare_structured_outputs else None
     result = throughput.run(configs, requests, repeats=args.repeats,
-                            warmup_prompts=args.warmup_prompts, progress=not args.no_progress)
+                            warmup_prompts=args.warmup_prompts, progress=not args.no_progress,
+                            structured=structured)
     if args.baseline == "hf":
         from vmkv.models import resolve_model
 
@@ -215,6 +217,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p, default="random", num_prompts=64)
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run every mode with prefix caching off and on, alternated; print on/off")
+    p.add_argument("--compare-structured-outputs", action="store_true",
+                   help="run every mode plain and JSON-schema constrained (same lengths), "
+                        "alternated; print constrained/plain")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode")
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="requests of the workload run once per engine before measuring")

@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
@@ -140,8 +141,9 @@ class EngineConfig:
     premap_pages: int = option(
         0, "virtual mode pages mapped ahead of need per growth (when free)", minimum=0)
     max_idle_memory: int | None = option(
-        None, "KV memory kept for reuse when idle (deferred slots and idle pool pages each); "
-        "beyond it, memory is returned to the OS/driver; default: keep all", minimum=0,
+        None, "KV memory kept for reuse when no running request needs it (idle slots' pages, "
+        "pages only the prefix cache holds and idle pool pages together); beyond it, memory is "
+        "returned to the OS/driver as requests finish; default: keep all", minimum=0,
         size=True)
     preemption_mode: str = option(
         "recompute", "what a preempted request loses: recompute (its KV, rebuilt later) or "
@@ -216,14 +218,28 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", minimum=0)
     api_key: str | None = option(
-        None, "require `Authorization: Bearer <key>` on /v1/* and /reset_prefix_cache "
-        "(default: $VMKV_API_KEY)", env=envs.VMKV_API_KEY)
+        None, "require `Authorization: Bearer <key>` on every route that does work (all but "
+        "/health, /version, /metrics and the OpenAPI pages; default: $VMKV_API_KEY)",
+        env=envs.VMKV_API_KEY)
     served_model_name: str | None = option(
         None, "the model's name in the API; default: the model folder's name")
     max_body_bytes: int = option(
         4 << 20, "largest request body (bigger: 413), e.g. 4M", minimum=1, size=True)
     max_n: int = option(16, "most choices (`n`) one request may ask for", minimum=1,
                         flag=False)
+    max_waiting_requests: int = option(
+        1024, "most sequences waiting to be scheduled; a request beyond it gets 503 with "
+        "Retry-After instead of an unbounded queue (0: no limit)", minimum=0)
+    request_timeout: float | None = option(
+        None, "seconds after which an unfinished request is aborted (finish_reason abort, "
+        "stop_reason timeout); default: no limit", minimum=0)
+    shutdown_timeout: float = option(
+        20.0, "seconds running requests get to finish after SIGTERM/SIGINT before they are "
+        "aborted; keep it under the orchestrator's grace period (Kubernetes: 30 s)", minimum=0)
+    tool_call_parser: str = option(
+        "auto", "how `tool_choice: auto` reads tool calls in the model's text: hermes "
+        "(<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), or auto (from the chat "
+        "template)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         check_options(self)

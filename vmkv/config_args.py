@@ -48,7 +48,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
                                 default=default, help=help_text)
             continue
         kind = typing.get_args(hints[f.name]) or (hints[f.name],)
-        arg_type = parse_size if opt.size else int if int in kind else str
+        arg_type = (parse_size if opt.size else int if int in kind
+                    else float if float in kind else str)
         parser.add_argument(flag_name(f.name), type=arg_type, choices=opt.choices,
                             default=default, help=help_text)
 

@@ -96,20 +96,23 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template to one conversation or a list of them
+        (``tools``: OpenAI tool definitions, for templates that render them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix unit (see :meth:`LLMEngine.reset_prefix_cache`)."""
         return self.engine.reset_prefix_cache()
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation under the model's chat template (ValueError if none)."""
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -13,8 +13,13 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
+from vmkv.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's cap for chat completions)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
+#: the highest temperature accepted: already at 100 sampling is uniform to within float noise for
+#: any realistic logit range, so a larger value (1e9) is a mistake, refused rather than obeyed
+MAX_TEMPERATURE = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -24,15 +29,16 @@ class SamplingParams:
 
     Attributes:
         n: number of output sequences for the prompt (>= 1).
-        temperature: divides the logits; 0 (anything below 1e-5) is greedy, and then top_p,
-            top_k and min_p are ignored.
+        temperature: divides the logits, in [0, 100]; 0 (anything below 1e-5) is greedy, and
+            then top_p, top_k and min_p are ignored.
         top_p: keep the most likely tokens whose mass reaches top_p, in (0, 1]; 1 is off.
-        top_k: keep the top_k most likely tokens; 0 or -1 is off.
+        top_k: keep the top_k most likely tokens; 0 or -1 is off, and so is any value of at
+            least the vocabulary size (it keeps every token).
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 is off.
         seed: seeds a per-request generator, so the request samples the same tokens whatever
             else is in its batch; None draws from the engine's shared generator.
-        max_tokens: most output tokens (>= 1); None means up to max_model_len, resolved by the
-            engine.
+        max_tokens: most output tokens (>= 1, or 0 to only score the prompt, which needs
+            ``prompt_logprobs``); None means up to max_model_len, resolved by the engine.
         min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens
             (0 <= min_tokens <= max_tokens).
         stop: strings that end generation when they appear in the detokenized output; a str
@@ -48,6 +54,11 @@ class SamplingParams:
             and negative logits multiplied by it; 1 is off.
         include_stop_str_in_output: keep the matched stop string in the returned text.
         skip_special_tokens: drop special tokens when detokenizing.
+        prompt_logprobs: None for none; k >= 0 returns, for every prompt token after the first,
+            its logprob given the tokens before it and the top k (token, logprob) pairs,
+            k <= MAX_LOGPROBS (the first prompt token has no logprob: None).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (:class:`~vmkv.structured.StructuredOutputsParams`, or a dict of its fields).
     """
 
     n: int = 1
@@ -67,11 +78,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_limits()
         self._check_stops()
+        if isinstance(self.structured_outputs, dict):
+            self._set("structured_outputs", StructuredOutputsParams.from_dict(
+                self.structured_outputs))
+        elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or "
+                             f"None, got {self.structured_outputs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -86,8 +105,8 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         temperature = self._real("temperature")
-        if not temperature >= 0 or math.isinf(temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
         top_p = self._real("top_p")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -115,8 +134,9 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
         if self.max_tokens is not None:
             max_tokens = self._int("max_tokens", "an int or None")
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+            if max_tokens < 0 or (max_tokens == 0 and self.prompt_logprobs is None):
+                raise ValueError(f"max_tokens must be >= 1 or None (0 only with "
+                                 f"prompt_logprobs), got {max_tokens}")
         min_tokens = self._int("min_tokens")
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
@@ -124,10 +144,11 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {min_tokens}"
             )
-        if self.logprobs is not None:
-            logprobs = self._int("logprobs", "an int or None")
-            if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = self._int(name, "an int or None")
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
 
     def _check_stops(self) -> None:
         stop = self.stop

@@ -29,13 +29,14 @@ class LaunchedServer:
     """A ``vmkv serve`` child; ``with LaunchedServer([...]) as srv: srv.base_url``."""
 
     def __init__(self, serve_args: Sequence[str], *, start_timeout: float = 300.0,
-                 stop_timeout: float = 20.0) -> None:
+                 stop_timeout: float = 20.0, cwd: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "vmkv.cli", "serve", *serve_args,
                      "--host", "127.0.0.1", "--port", str(self.port)]
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        self.cwd = cwd  # another checkout's vmkv is imported when run from its root
         self.startup_s: float | None = None
         # closed (and removed) by stop(); read back for error messages
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
@@ -48,7 +49,7 @@ class LaunchedServer:
 
         started = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, cwd=self.cwd)
         while time.monotonic() - started < self.start_timeout:
             if self.proc.poll() is not None:
                 tail = self.log_tail()

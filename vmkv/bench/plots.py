@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange", "virtual+prefix": "tab:green",
-               "paged+prefix": "tab:red"}
+               "paged+prefix": "tab:red", "virtual+json": "tab:purple", "paged+json": "tab:brown"}
 
 
 def _pyplot() -> Any:

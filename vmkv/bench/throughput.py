@@ -21,6 +21,9 @@ from sharing within the repetition (not from the warm-up or an earlier repetitio
 ``--compare-prefix-caching`` adds a caching-on twin of every engine (``virtual+prefix``...), run
 in the same alternation, and reports on/off per mode and repetition: the overhead of caching at
 a 0 % hit rate, or its gain on shared prefixes, measured side by side.
+``--compare-structured-outputs`` runs every engine's workload twice per repetition, plain and
+constrained by :data:`BENCH_SCHEMA` (``virtual+json``...), alternated, and reports
+constrained/plain: the cost of structured outputs at the same lengths.
 """
 
 from __future__ import annotations
@@ -36,14 +39,31 @@ from vmkv.bench.workloads import BenchRequest
 from vmkv.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.sampling_params import SamplingParams
+from vmkv.structured import StructuredOutputsParams
 
 MAX_TRACE_POINTS = 400
 MAP_OPS = ("map", "unmap", "create", "release")
 
+#: the structured-output workload's schema: a list of records (integers and numbers with bounds,
+#: a bounded string, an enum array) that can never be complete (minItems), so every constrained
+#: request writes exactly ``output_len`` tokens, as the plain ones do; compact separators, so
+#: every token is structure or content (greedy small models otherwise pad with newlines)
+BENCH_SCHEMA = {"type": "array", "minItems": 100_000, "items": {
+    "type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1}},
+    "required": ["id", "name", "tags", "score"]}}
+BENCH_STRUCTURE = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
 
-def params_for(output_len: int) -> SamplingParams:
-    """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine)."""
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+def params_for(output_len: int, structured: StructuredOutputsParams | None = None
+               ) -> SamplingParams:
+    """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine),
+    optionally constrained by ``structured``."""
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                          structured_outputs=structured)
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:
@@ -92,16 +112,18 @@ class _Trace:
 
 
 def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
-             progress: bool = True) -> dict[str, Any]:
-    """Queue every request, step until all finish, and return the run's numbers."""
+             progress: bool = True, structured: StructuredOutputsParams | None = None
+             ) -> dict[str, Any]:
+    """Queue every request (constrained by ``structured`` if given), step until all finish,
+    and return the run's numbers."""
     stats = engine.scheduler.stats
     before = (stats.num_preemptions, stats.num_recomputed_tokens)
     ops_before = _op_totals(engine)
     ids = [f"{tag}-{i}" for i in range(len(requests))]
     bar = progress_bar(progress, tag, total=len(requests))
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     for rid, r in zip(ids, requests, strict=True):
-        engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len))
+        engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len, structured))
     trace, overhead = _Trace(), 0.0
     outputs: dict[str, Any] = {}
     steps = 0
@@ -114,7 +136,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
         t = time.monotonic()
         trace.sample(engine, t - start - overhead)
         overhead += time.monotonic() - t
-    wall = time.monotonic() - start
+    wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
     bar.close()
     elapsed = wall - overhead
     result = _summarise(requests, [outputs[rid] for rid in ids], elapsed, start)
@@ -122,7 +144,8 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     result["preemptions"] = stats.num_preemptions - before[0]
     result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
     result.update(_map_numbers(ops_before, _op_totals(engine)))
-    result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead,
+    result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead, cpu_s=cpu,
+                  output_tokens_per_cpu_s=result["output_tokens"] / cpu if cpu else None,
                   trace=trace.downsampled())
     return result
 
@@ -173,9 +196,11 @@ def _map_numbers(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
 
 
 def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, repeats: int = 3,
-        warmup_prompts: int = 8, progress: bool = True) -> dict[str, Any]:
+        warmup_prompts: int = 8, progress: bool = True,
+        structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
     """Build one engine per mode (``{"virtual": cfg, "paged": cfg}`` or one of them), warm each
-    up, then run the workload ``repeats`` times per mode, alternating modes.
+    up, then run the workload ``repeats`` times per mode, alternating modes. With
+    ``structured``, every engine also runs it constrained (as ``<mode>+json``), alternated.
 
     Returns ``{"startup", "runs", "summary", "ratios"?, "ratio_median"?}``; each run carries
     ``mode`` and ``repeat``; ``ratios`` (virtual/paged output tokens/s per repetition) only
@@ -191,17 +216,19 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
     try:
         for mode, config in configs.items():
             engines[mode], startup[mode] = build_engine(config)
-        for mode, engine in engines.items():
+        structures = [None] if structured is None else [None, structured]
+        variants = [(mode, so) for mode in engines for so in structures]
+        for mode, so in variants:
             if warmup_prompts:
-                run_once(engine, requests[:warmup_prompts], tag=f"warmup-{mode}",
-                         progress=progress)
-        modes = list(engines)
+                run_once(engines[mode], requests[:warmup_prompts], tag=f"warmup-{mode}",
+                         progress=progress, structured=so)
         for rep in range(repeats):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:
+            for mode, so in variants if rep % 2 == 0 else variants[::-1]:
+                name = mode + (STRUCTURED_SUFFIX if so is not None else "")
                 engines[mode].reset_prefix_cache()  # every repetition starts cold
-                result = run_once(engines[mode], requests, tag=f"{mode}-{rep}",
-                                  progress=progress)
-                runs.append({"mode": mode, "repeat": rep, **result})
+                result = run_once(engines[mode], requests, tag=f"{name}-{rep}",
+                                  progress=progress, structured=so)
+                runs.append({"mode": name, "repeat": rep, **result})
     finally:
         for engine in engines.values():
             engine.close()
@@ -213,11 +240,14 @@ SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
 
 
 PREFIX_SUFFIX = "+prefix"  # name suffix of the prefix-caching twin (--compare-prefix-caching)
+STRUCTURED_SUFFIX = "+json"  # name of the constrained runs (--compare-structured-outputs)
+TWINS = {"prefix": PREFIX_SUFFIX, "structured": STRUCTURED_SUFFIX}
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-mode medians; with both modes, the virtual/paged ratio per repetition; with prefix
-    caching twins (``<mode>+prefix``), the caching on/off ratio per mode and repetition."""
+    caching twins (``<mode>+prefix``), the caching on/off ratio per mode and repetition; with
+    constrained runs (``<mode>+json``), the constrained/plain ratio likewise."""
     summary: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         mine = [r for r in runs if r["mode"] == mode]
@@ -229,11 +259,20 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if {"virtual", "paged"} <= summary.keys():
         out["ratios"] = [by["virtual", i] / by["paged", i] for i in reps]
         out["ratio_median"] = statistics.median(out["ratios"])
-    prefix = {m: [by[m + PREFIX_SUFFIX, i] / by[m, i] for i in reps]
-              for m in summary if m + PREFIX_SUFFIX in summary}
-    if prefix:  # --compare-prefix-caching: caching on / off, per mode and repetition
-        out["prefix_ratios"] = prefix
-        out["prefix_ratio_median"] = {m: statistics.median(v) for m, v in prefix.items()}
+    cpu = {(r["mode"], r["repeat"]): r.get("output_tokens_per_cpu_s") for r in runs}
+    for key, suffix in TWINS.items():  # twin / plain, per mode and repetition
+        twin = {m: [by[m + suffix, i] / by[m, i] for i in reps]
+                for m in summary if m + suffix in summary}
+        if twin:
+            out[f"{key}_ratios"] = twin
+            out[f"{key}_ratio_median"] = {m: statistics.median(v) for m, v in twin.items()}
+        if twin and all(cpu[m, i] and cpu[m + suffix, i] for m in twin for i in reps):
+            # the same ratio per CPU second of this process: what others' load on a shared
+            # machine disturbs far less than wall time
+            out[f"{key}_cpu_ratios"] = {m: [cpu[m + suffix, i] / cpu[m, i] for i in reps]
+                                        for m in twin}
+            out[f"{key}_cpu_ratio_median"] = {
+                m: statistics.median(v) for m, v in out[f"{key}_cpu_ratios"].items()}
     return out
 
 
@@ -250,11 +289,13 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"mode": "virtual/paged", "rep": i, "out tok/s": ratio})
     if "ratio_median" in result:
         rows.append({"mode": "virtual/paged", "rep": "median", "out tok/s": result["ratio_median"]})
-    for mode, ratios in result.get("prefix_ratios", {}).items():
-        name = f"{mode}{PREFIX_SUFFIX}/{mode}"
-        rows += [{"mode": name, "rep": i, "out tok/s": ratio} for i, ratio in enumerate(ratios)]
-        rows.append({"mode": name, "rep": "median",
-                     "out tok/s": result["prefix_ratio_median"][mode]})
+    for key, suffix in TWINS.items():
+        for kind, label in (("", ""), ("_cpu", " per cpu s")):
+            for mode, ratios in result.get(f"{key}{kind}_ratios", {}).items():
+                name = f"{mode}{suffix}/{mode}{label}"
+                rows += [{"mode": name, "rep": i, "out tok/s": r} for i, r in enumerate(ratios)]
+                rows.append({"mode": name, "rep": "median",
+                             "out tok/s": result[f"{key}{kind}_ratio_median"][mode]})
     hf = result.get("hf")
     if hf:
         rows.append({"mode": f"hf (batch {hf['batch_size']})", "rep": 0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -30,6 +31,10 @@ logger = logging.getLogger("vmkv")
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already waiting; this one was not queued (retry later)."""
 
 
 class RequestStream:
@@ -66,7 +71,7 @@ class RequestStream:
         """Abort the request unless it already finished (no-op then)."""
         if not self.finished and self.engine.dead is None:
             self.finished = True
-            self.engine._submit("abort", self.request_id)
+            self.engine._submit("abort", (self.request_id, None))
 
 
 class AsyncEngine:
@@ -84,13 +89,15 @@ class AsyncEngine:
 
     # -- caller side (event loop) -------------------------------------------------------------
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  cache_salt: str | None = None) -> RequestStream:
+                  cache_salt: str | None = None, *, max_waiting: int | None = None
+                  ) -> RequestStream:
         """Submit a request; returns once the engine accepted it.
 
-        Raises ValueError (bad request, nothing queued) or EngineDeadError.
+        Raises ValueError (bad request, nothing queued), EngineOverloadedError (``max_waiting``
+        sequences already wait to be scheduled; nothing queued) or EngineDeadError.
         """
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        await self._call("add", (request_id, prompt, params, cache_salt, stream))
+        await self._call("add", (request_id, prompt, params, cache_salt, stream, max_waiting))
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],
@@ -103,9 +110,14 @@ class AsyncEngine:
         finally:
             stream.abort()
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it is unknown or already finished)."""
-        await self._call("abort", request_id)
+    async def abort(self, request_id: str, reason: str | None = None) -> None:
+        """Abort a request (no-op if it is unknown or already finished); its stream still gets
+        the final output (``finish_reason="abort"``, ``stop_reason=reason``)."""
+        await self._call("abort", (request_id, reason))
+
+    async def abort_all(self, reason: str | None = None) -> int:
+        """Abort every request, as :meth:`abort` does; returns how many there were."""
+        return await self._call("abort_all", reason)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (consistent stats reads)."""
@@ -129,6 +141,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop died: {self.dead!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(kind, payload, future)
+        if self.dead is not None:  # it died meanwhile: its last drain may have missed this
+            self._fail_future(future, EngineDeadError(f"the engine loop died: {self.dead!r}"))
         return await asyncio.wrap_future(future)
 
     # -- engine thread ------------------------------------------------------------------------
@@ -159,15 +173,21 @@ class AsyncEngine:
     def _handle(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
         try:
             if kind == "add":
-                request_id, prompt, params, cache_salt, stream = payload
+                request_id, prompt, params, cache_salt, stream, max_waiting = payload
+                waiting = len(self.engine.scheduler.waiting)
+                if max_waiting is not None and waiting >= max_waiting:
+                    raise EngineOverloadedError(f"{waiting} requests are already waiting")
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 self._streams[request_id] = stream
                 result = None
             elif kind == "abort":
-                out = self.engine.abort_request(payload)
-                if out is not None:
-                    self._deliver(out)
+                self._abort(*payload)
                 result = None
+            elif kind == "abort_all":
+                ids = list(self.engine.requests)
+                for request_id in ids:
+                    self._abort(request_id, payload)
+                result = len(ids)
             elif kind == "call":
                 result = payload(self.engine)
             else:  # "stop"
@@ -180,6 +200,11 @@ class AsyncEngine:
             return
         if future is not None:
             future.set_result(result)
+
+    def _abort(self, request_id: str, reason: str | None) -> None:
+        out = self.engine.abort_request(request_id, reason)
+        if out is not None:
+            self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -199,5 +224,11 @@ class AsyncEngine:
                 _, _, future = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if future is not None and not future.done():
-                future.set_exception(error)
+            if future is not None:
+                self._fail_future(future, error)
+
+    @staticmethod
+    def _fail_future(future: concurrent.futures.Future, error: BaseException) -> None:
+        # answered already when the engine thread and a caller raced to fail it
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_exception(error)

@@ -20,17 +20,21 @@ from vmkv.attention import create_attention_backend
 from vmkv.config import EngineConfig
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
-from vmkv.engine.model_runner import ModelRunner
+from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv import create_kv_cache
+from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
 from vmkv.models.compile import try_compile
 from vmkv.sampling import Sampler, SamplingState
+from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
+from vmkv.structured.compiler import GrammarCompilerCache
+from vmkv.structured.matcher import GrammarState
 
 logger = logging.getLogger("vmkv")
 
@@ -48,7 +52,7 @@ class EngineCounters:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
+        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
 
 class LLMEngine:
@@ -95,6 +99,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
+        # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
+        self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
+                                             self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.startup_seconds = time.monotonic() - started
@@ -150,12 +157,20 @@ class LLMEngine:
         if len(ids) > self.kv.capacity_tokens:
             raise ValueError(f"the prompt ({len(ids)} tokens) can never fit in the KV cache "
                              f"({self.kv.capacity_tokens} tokens)")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (or None to share the "
+                             f"unsalted cache), got {cache_salt!r}")
+        if max_tokens == 0 and params.n != 1:
+            raise ValueError(f"max_tokens=0 (score the prompt only) needs n=1, got n={params.n}")
+        grammar = None
+        if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
+            grammar = self.grammars.new_state(params.structured_outputs)
         req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        seq = self._new_sequence(req, 0, list(ids))
+        seq = self._new_sequence(req, 0, list(ids), grammar)
         seq.pending_forks = params.n - 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -190,12 +205,13 @@ class LLMEngine:
                 f"{params.max_tokens} in max_tokens)")
         return params.max_tokens
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int],
+                      grammar: GrammarState | None = None) -> Sequence:
         params = req.params
         if index and params.seed is not None:  # each sample its own reproducible stream
             params = replace(params, seed=(params.seed + index) % 2**63)
         state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              device=self.config.device)
+                              grammar=grammar, device=self.config.device)
         seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
                        len(req.prompt_token_ids), state)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
@@ -203,18 +219,32 @@ class LLMEngine:
         req.seqs.append(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its KV now; None if it is unknown or already finished."""
+    def abort_request(self, request_id: str, stop_reason: str | None = None
+                      ) -> RequestOutput | None:
+        """Stop a request and free its KV now; None if it is unknown or already finished.
+
+        ``stop_reason`` says why in the output (the server uses "timeout" and "shutdown")."""
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self._finish_all(req, "abort", stop_reason)
+        return self._finish_request(req)
+
+    def _finish_all(self, req: Request, reason: str, stop_reason: str | None = None) -> None:
+        """Finish every unfinished sequence of ``req`` with ``reason``, freeing its KV."""
         for seq in req.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
                 self.scheduler.remove(seq)
-                self.counters.finished["abort"] += 1
-        return self._finish_request(req)
+                self.counters.finished[reason] += 1
+
+    def _fail_request(self, req: Request, exc: Exception, touched: dict[str, Request]) -> None:
+        """The OS/driver refused ``req``'s KV memory: it fails (every sample), others go on."""
+        logger.warning("request %s failed: %s", req.request_id, exc)
+        req.error = f"KV cache memory error: {exc}"
+        self._finish_all(req, "error")
+        touched[req.request_id] = req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -236,13 +266,19 @@ class LLMEngine:
             seq.pending_forks = 0
             self.counters.finished["length"] += 1
             touched[seq.request.request_id] = seq.request
+        for seq, exc in out.failed:
+            self.counters.finished["error"] += 1
+            self._fail_request(seq.request, exc, touched)
+        if out.failed:  # a failed request's other samples may be scheduled: they must not run
+            out.drop_finished()
         if out.scheduled:
             self.counters.steps += 1
             now = time.monotonic()
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            logits, ready = self.runner.execute(out)
+            logits, ready, prompt_hidden = self.runner.execute(out)
+            self._record_prompt_logprobs(prompt_hidden)
             self.scheduler.update(out)
             if self.mapper is not None:  # map ahead while the GPU computes; any KV call
                 # waits for it (sampling below syncs with the GPU first)
@@ -253,17 +289,34 @@ class LLMEngine:
                 self.mapper.wait()  # idle between steps (abort/add never race with it)
         return [self._output(req) for req in touched.values()]
 
+    def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
+        """Score the prompt tokens this step's prefill chunks predict (in the same forward)."""
+        for seq, first, hidden in prompt_hidden:
+            req = seq.request
+            targets = seq.token_ids[first + 1 : first + 1 + len(hidden)]
+            req.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden,
+                                                       targets, req.params.prompt_logprobs))
+
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, seq in enumerate(ready):
-            seqs.append(seq)
-            rows.append(row)
-            for child in self._fork(seq):
-                seqs.append(child)
+            if seq.request.max_tokens == 0:  # only the prompt was wanted (its logprobs)
+                self._finish(seq, "length")
+                touched[seq.request.request_id] = seq.request
+                continue
+            try:
+                children = self._fork(seq)
+            except VmmError as exc:
+                self._fail_request(seq.request, exc, touched)
+                continue
+            for s in (seq, *children):
+                seqs.append(s)
                 rows.append(row)
-        if len(rows) != len(ready):
+        if not seqs:
+            return
+        if rows != list(range(len(ready))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, [s.sampling_state for s in seqs])
         now = time.monotonic()
@@ -277,12 +330,21 @@ class LLMEngine:
             touched[req.request_id] = req
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """After the prompt, make the n-1 other samples share the parent's KV."""
+        """After the prompt, make the n-1 other samples share the parent's KV; VmmError when
+        the memory is refused (the request must fail)."""
         req, children = parent.request, []
+        grammar = parent.sampling_state.grammar
         for index in range(1, parent.pending_forks + 1):
-            child = self._new_sequence(req, index, list(parent.token_ids))
-            if not self.kv.fork(parent.seq_id, child.seq_id):
-                raise RuntimeError(f"fork of {parent.seq_id} failed although a slot was held")
+            child = self._new_sequence(req, index, list(parent.token_ids),
+                                       grammar.fork() if grammar is not None else None)
+            try:
+                forked = self.kv.fork(parent.seq_id, child.seq_id)
+            except VmmError:
+                req.seqs.remove(child)
+                raise
+            if not forked:  # no slot (reserved at admission) or the mapping budget is spent
+                req.seqs.remove(child)
+                raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget left")
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add(child)
             children.append(child)
@@ -298,12 +360,23 @@ class LLMEngine:
             entry = {token: float(logprob)} if logprob is not None else {}
             entry.update({t: float(v) for t, v in (top or [])})
             seq.logprobs.append(entry)
+        grammar = seq.sampling_state.grammar
+        if grammar is not None and not grammar.accept(token):  # the mask makes this unreachable
+            logger.error("%s: the grammar rejected token %d; aborting", seq.seq_id, token)
+            self._finish(seq, "abort")
+            return
         start = len(seq.output_text)
         seq.output_text += seq.detokenizer.step(seq.token_ids)
         check_stop(seq, start, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is None and grammar is not None and grammar.is_terminated:
+            seq.finish_reason = "stop"  # the grammar took EOS although ignore_eos was set
         if seq.finish_reason is not None:
-            self.scheduler.remove(seq)
-            self.counters.finished[seq.finish_reason] += 1
+            self._finish(seq, seq.finish_reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.counters.finished[reason] += 1
 
     # -- outputs ------------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -331,7 +404,9 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
                                  req.first_token_time, req.finish_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished, metrics, req.num_cached_tokens)
+                             finished, metrics, req.num_cached_tokens, req.error,
+                             prompt_logprobs=None if req.prompt_logprobs is None
+                             else list(req.prompt_logprobs))
 
     def close(self) -> None:
         """Abort everything and release the KV memory."""

@@ -1,8 +1,9 @@
-"""Turns a scheduler step into one model forward and the logits of the sequences to sample."""
+"""Turns a scheduler step into one model forward and the logits of the sequences to sample
+(plus, for requests that asked for prompt logprobs, the hidden states of their prompt chunk)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -13,6 +14,24 @@ from vmkv.models.llama import LlamaModel
 
 if TYPE_CHECKING:
     from vmkv.engine.cuda_graphs import DecodeGraphRunner
+
+
+class PromptHidden(NamedTuple):
+    """Hidden states of one sequence's prompt positions ``[first, first + len(hidden))`` this
+    step; position ``p`` predicts prompt token ``p + 1``."""
+
+    seq: Sequence
+    first: int
+    hidden: torch.Tensor  # [m, hidden]
+
+
+class StepResult(NamedTuple):
+    """``logits [N, vocab]`` (float32, None when N = 0) of the ``ready`` sequences, whose
+    scheduled tokens reach their end, and the prompt hidden states asked for."""
+
+    logits: torch.Tensor | None
+    ready: list[Sequence]
+    prompt_hidden: list[PromptHidden]
 
 
 class ModelRunner:
@@ -26,19 +45,26 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step; return ``logits [N, vocab]`` (float32) for the ``N`` sequences whose
         scheduled tokens reach their end (finished prefills and decodes), and those sequences.
-        Sequences in the middle of a chunked prefill produce no logits."""
+        Sequences in the middle of a chunked prefill produce no logits. A sequence whose
+        request wants prompt logprobs also gets the hidden states of the prompt positions this
+        step computes and that ``prompt_logprobs_from`` says are still missing."""
         ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []
         query_lens: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, first pos, row, count
         for seq in out.scheduled:
             n = out.num_scheduled_tokens[seq.seq_id]
             c = seq.num_computed_tokens
+            first = max(c, seq.prompt_logprobs_from)
+            last = min(c + n, seq.num_prompt_tokens - 1)  # the last prompt position samples
+            if first < last:
+                prompt_spans.append((seq, first, len(ids) + first - c, last - first))
             ids.extend(seq.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             context_lens.append(c)
@@ -55,7 +81,10 @@ class ModelRunner:
             input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
             hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
+        prompt_hidden = [PromptHidden(seq, first, hidden[row : row + m])
+                         for seq, first, row, m in prompt_spans]
         if not sample_rows:
-            return None, []
+            return StepResult(None, [], prompt_hidden)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs  # [N, V]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
+        return StepResult(logits, sample_seqs, prompt_hidden)

@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None  # the stop token id or string that matched
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
 
@@ -42,7 +42,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    error: str | None = field(default=None)
+    error: str | None = field(default=None)  # set when the request failed (finish "error")
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob}; None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

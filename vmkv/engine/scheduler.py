@@ -17,7 +17,9 @@ all-or-nothing and put back at the front of the queue:
                fresh memory is allocated and the KV copied back (no recomputation)
 
 A sequence that cannot fit even with every other sequence preempted is finished with
-``finish_reason="length"`` (``stop_reason="kv_capacity"``) instead of looping.
+``finish_reason="length"`` (``stop_reason="kv_capacity"``) instead of looping. A sequence whose
+memory the OS or driver refuses (the KV manager raises ``VmmError``) is finished with
+``finish_reason="error"`` and reported in ``SchedulerOutput.failed``; the others go on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from vmkv.config import PREEMPTION_MODES
 from vmkv.engine.sequence import SeqStatus, Sequence
-from vmkv.kv.base import KVCacheManager
+from vmkv.kv.base import KVCacheManager, VmmError
 
 
 @dataclass
@@ -38,6 +40,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     out_of_capacity: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, VmmError]] = field(default_factory=list)  # memory refused
 
     @property
     def total_tokens(self) -> int:
@@ -46,6 +49,12 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.scheduled.append(seq)
         self.num_scheduled_tokens[seq.seq_id] = num_tokens
+
+    def drop_finished(self) -> None:
+        """Unschedule sequences finished since planning (their KV is gone)."""
+        for seq in [s for s in self.scheduled if s.is_finished]:
+            self.scheduled.remove(seq)
+            del self.num_scheduled_tokens[seq.seq_id]
 
 
 @dataclass
@@ -120,11 +129,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_new_tokens, budget)
-            if self._allocate_or_preempt(seq, n, out):
+            try:
+                allocated = self._allocate_or_preempt(seq, n, out)
+            except VmmError as exc:
+                self._fail(seq, exc, out)
+                continue
+            if allocated:
                 out.add(seq, n)
                 budget -= n
                 i += 1
-            # else seq itself left ``running`` (preempted or out of capacity): same index
+            # else seq itself left ``running`` (preempted, out of capacity or failed): same index
         if out.preempted:
             return out
         # running sequences plus the samples they will fork after their prompt
@@ -134,27 +148,48 @@ class Scheduler:
             if seqs + 1 + seq.pending_forks > self.max_num_seqs:
                 break
             seqs += 1 + seq.pending_forks
-            hit = self._match_prefix(seq)
-            n = min(seq.num_new_tokens, budget)
-            if not self._leaves_headroom(seq):
-                self._unmatch(seq, hit)
+            try:
+                admitted = self._admit(seq, budget, out)
+            except VmmError as exc:
+                seqs -= 1 + seq.pending_forks
+                self._fail(seq, exc, out)
+                continue
+            if admitted is None:
                 break
-            if seq.swapped is not None:
-                # swap in only when the next chunk fits too (no swap-in/out thrashing)
-                if not self.kv.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
-                    self._finish_if_hopeless(seq, out)
-                    break
-                self._swap_in(seq)
-            if not self.kv.allocate(seq.seq_id, n):
-                self._unmatch(seq, hit)
-                self._finish_if_hopeless(seq, out)
-                break
+            n = admitted
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.add(seq, n)
             budget -= n
         return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Room for the waiting head's next chunk: its token count, or None when it must wait
+        (it may have been finished as hopeless)."""
+        hit = self._match_prefix(seq)
+        n = min(seq.num_new_tokens, budget)
+        if not self._leaves_headroom(seq):
+            self._unmatch(seq, hit)
+            return None
+        if seq.swapped is not None:
+            # swap in only when the next chunk fits too (no swap-in/out thrashing)
+            if not self.kv.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
+                self._finish_if_hopeless(seq, out)
+                return None
+            self._swap_in(seq)
+        if not self.kv.allocate(seq.seq_id, n):
+            self._unmatch(seq, hit)
+            self._finish_if_hopeless(seq, out)
+            return None
+        return n
+
+    def _fail(self, seq: Sequence, exc: VmmError, out: SchedulerOutput) -> None:
+        """The OS/driver refused ``seq``'s memory: it leaves the queues holding nothing."""
+        self.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.finish_reason, seq.stop_reason = "error", None
+        out.failed.append((seq, exc))
 
     def update(self, out: SchedulerOutput) -> None:
         """Record that the step ran: scheduled tokens are now computed (and their completed
@@ -169,7 +204,8 @@ class Scheduler:
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:
         """Cached tokens for a sequence about to be admitted fresh (0 if none)."""
-        if seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None:
+        if (seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None
+                or seq.request.params.prompt_logprobs is not None):  # (recompute to score it)
             return 0
         hit = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
         seq.num_computed_tokens = hit

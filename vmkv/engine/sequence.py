@@ -41,6 +41,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    error: str | None = None  # why the request failed (its KV memory was refused), if it did
+    # with params.prompt_logprobs: per prompt token {token_id: logprob}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -60,7 +63,7 @@ class Sequence:
     sampling_state: Any  # vmkv.sampling.SamplingState
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     output_text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -83,6 +86,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def prompt_logprobs_from(self) -> int:
+        """First prompt position whose logprob target is still missing (the request's
+        ``num_prompt_tokens`` when it wants none or has them all)."""
+        recorded = self.request.prompt_logprobs
+        return self.num_prompt_tokens if recorded is None else len(recorded) - 1
 
     @property
     def num_new_tokens(self) -> int:

@@ -20,6 +20,9 @@ import torch
 from vmkv.kv.addressing import Addressing
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
+from vmkv.memory.base import VmmError
+
+__all__ = ["KVCacheManager", "KVUsage", "SwappedKV", "VmmError"]
 
 if TYPE_CHECKING:
     from vmkv.memory.mapper import BackgroundMapper
@@ -46,6 +49,9 @@ class KVUsage:
     pre-mapped tail pages); ``bytes_created`` adds idle pool pages not yet returned to the OS.
     ``bytes_cached`` is memory only the prefix cache holds: reusable by a later request with the
     same prefix, evicted when memory is needed (users misread it as "in use" elsewhere).
+    ``bytes_allocated`` is what the operating system or driver has committed for the KV pool as
+    it counts it (host: the memfd's allocated blocks, the anchor page included; RSS misses
+    unmapped pages); paged mode allocates its whole block tensor at start-up.
     """
 
     num_requests: int
@@ -57,6 +63,7 @@ class KVUsage:
     token_bytes: int  # bytes the live tokens themselves occupy (the useful part)
     virt_reserved_bytes: int
     bytes_cached: int = 0  # held only by the prefix cache (evictable; not "in use")
+    bytes_allocated: int = 0  # what the OS/driver holds for the pool (host: memfd blocks)
 
     @property
     def fraction(self) -> float:
@@ -90,7 +97,11 @@ class KVCacheManager(ABC):
         """Make room for ``num_new_tokens`` more tokens of ``request_id`` (registering it on
         first use). Returns False, changing nothing, when memory or slots are short.
 
-        Raises ValueError when the request would exceed ``max_model_len``.
+        Raises ValueError when the request would exceed ``max_model_len``, and
+        :class:`VmmError` when the OS or driver refuses memory (a create or map failed): the
+        request keeps the room it had and the accounting stays exact (``check()``), so the
+        caller may fail that request alone. ``fork``, ``swap_in`` and ``match_prefix`` raise it
+        the same way.
         """
 
     @abstractmethod

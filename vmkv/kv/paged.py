@@ -275,6 +275,7 @@ class PagedKVCache(KVCacheManager):
             token_bytes=self._unique_token_bytes(),
             virt_reserved_bytes=0,
             bytes_cached=cached_only * self.block_bytes,
+            bytes_allocated=self.kv.numel() * self.kv.element_size(),
         )
 
     def _unique_token_bytes(self) -> int:

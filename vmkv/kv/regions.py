@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from vmkv.kv.spec import VirtualLayout
-from vmkv.memory.base import MappingBudgetExceeded
+from vmkv.memory.base import MappingBudgetExceeded, VmmError, rolled_back
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import UNMAPPED, VirtualRegion
 
@@ -71,17 +71,21 @@ class RegionGroup:
     def _lockstep(self, va_page: int, num: int,
                   map_one: Callable[[int, VirtualRegion], bool]) -> bool:
         """``map_one(r, region)`` on every region; if one cannot (False or
-        MappingBudgetExceeded), unmap what the others mapped at ``[va_page, va_page+num)``."""
+        MappingBudgetExceeded), unmap what the others mapped at ``[va_page, va_page+num)`` and
+        return False. Any other ``VmmError`` (the OS or driver refused) is raised after the same
+        rollback."""
         done: list[VirtualRegion] = []
         try:
             for r, region in enumerate(self.regions):
                 if not map_one(r, region):
                     raise MappingBudgetExceeded("the pool ran short")
                 done.append(region)
-        except MappingBudgetExceeded:
+        except VmmError as exc:
             for region in done:  # nothing new was read yet: no synchronize needed
-                region.unmap(va_page, num)
-            return False
+                rolled_back(lambda region=region: region.unmap(va_page, num))
+            if isinstance(exc, MappingBudgetExceeded):
+                return False
+            raise
         return True
 
     def unmap(self, va_page: int, num: int) -> None:
@@ -91,15 +95,39 @@ class RegionGroup:
 
     def copy_on_write(self, va_page: int) -> None:
         """Give ``va_page`` a private copy of its (shared) page in every region; the pool must
-        have a free page per region."""
+        have a free page per region.
+
+        All regions or none: if the OS/driver refuses a page or a mapping (``VmmError``,
+        ``MappingBudgetExceeded``), every region keeps its shared page and the error is raised
+        (MemoryStateLost if even putting the shared pages back is refused).
+        """
         ps = self.pool.page_size
-        for region in self.regions:
-            data = region.as_bytes()[va_page * ps : (va_page + 1) * ps]
-            saved = data.clone()
-            (new_page,) = self.pool.allocate(1, None, region.partition)
-            self.pool.backend.synchronize()  # the clone (and any reader) must finish first
-            region.replace(va_page, new_page)
-            data.copy_(saved)
+        fresh: list[int] = []
+        try:
+            for region in self.regions:
+                (page,) = self.pool.allocate(1, None, region.partition)
+                fresh.append(page)
+        except BaseException:
+            for page in fresh:
+                self.pool.release(page)
+            raise
+        self.pool.backend.synchronize()  # any reader of the shared pages must finish first
+        done: list[tuple[VirtualRegion, int]] = []  # (region, its shared page)
+        try:
+            for region, page in zip(self.regions, fresh, strict=True):
+                data = region.as_bytes()[va_page * ps : (va_page + 1) * ps]
+                saved = data.clone()
+                shared = int(region.page_at[va_page])
+                region.replace(va_page, page)
+                done.append((region, shared))
+                data.copy_(saved)
+        except BaseException:
+            for region, shared in done:  # share again; the private copies go back to the pool
+                self.pool.retain(shared)
+                rolled_back(lambda region=region, shared=shared: region.replace(va_page, shared))
+            for page in fresh[len(done):]:
+                self.pool.release(page)
+            raise
 
     # -- reading ----------------------------------------------------------------------------------
     def pages_at(self, va_page: int) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.regions import RegionGroup
 from vmkv.kv.slots import SlotTable
 from vmkv.kv.spec import KVSpec, VirtualLayout
+from vmkv.memory.base import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
 
 if TYPE_CHECKING:
@@ -104,8 +105,10 @@ class VirtualKVCache(KVCacheManager):
         max_model_len: the longest request (slots are this long, rounded up to whole pages).
         layout: "all-layers" or "per-layer" (see :mod:`vmkv.kv.spec`).
         premap_pages: extra pages (per region) mapped ahead of need when the pool has them free.
-        max_idle_pages: pages idle slots may keep mapped for reuse (None: no limit; they are
-            reclaimed on demand either way).
+        max_idle_pages: pages kept for reuse when no running request needs them, idle slots'
+            mappings, pages only the prefix cache holds and idle pool pages together; beyond it
+            they are unmapped, evicted and returned to the OS/driver as requests finish (None:
+            no limit; they are reclaimed on demand either way).
         enable_prefix_caching: share pages of common prefixes across requests (the unit is a
             page; its hash covers every token overlapping it, see :mod:`vmkv.kv.prefix`).
         prefix_cache_hash: "sha256" or "builtin".
@@ -279,6 +282,7 @@ class VirtualKVCache(KVCacheManager):
             self._reclaim(need - self.pool.num_free, exclude=slot)
             if need > self.pool.num_free:
                 return False
+        mapped = self.slots.mapped[slot]
         if grow:
             extra = min(self.premap_pages, self.layout.slot_pages - self.slots.mapped[slot] - grow,
                         (self.pool.num_free - need) // regions)
@@ -286,8 +290,14 @@ class VirtualKVCache(KVCacheManager):
                 extra > 0 and self._grow(slot, grow)
             ):
                 return False
-        for page in cow:
-            self.regions.copy_on_write(self._first_va_page(slot) + page)
+        try:
+            for page in cow:
+                self.regions.copy_on_write(self._first_va_page(slot) + page)
+        except VmmError as exc:  # give back the growth; copies already made stay (still exact)
+            self._unmap_tail(slot, self.slots.mapped[slot] - mapped)
+            if isinstance(exc, MappingBudgetExceeded):
+                return False
+            raise
         self.slots.hold(request_id, slot)
         self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
         return True
@@ -339,13 +349,35 @@ class VirtualKVCache(KVCacheManager):
         if pages_wanted > 0 and self.prefix is not None:
             self.prefix.evict(pages_wanted)
 
+    def _kept_pages(self) -> int:
+        """Pages (all regions) kept although no running request needs them: mapped in idle
+        slots or held only by the prefix cache (idle pool pages not included)."""
+        idle = sum(self.slots.mapped[s] for s in self.slots.idle) * len(self.regions)
+        return idle + (self.prefix.num_evictable() if self.prefix is not None else 0)
+
     def _trim_idle(self) -> None:
-        """Keep at most ``max_idle_pages`` mapped in idle slots; let the pool trim the rest."""
-        if self.max_idle_pages is not None:
-            idle = sum(self.slots.mapped[s] for s in self.slots.idle) * len(self.regions)
-            if idle > self.max_idle_pages:
-                self._reclaim(idle - self.max_idle_pages, exclude=-1)
-        self.pool.trim()
+        """Keep at most ``max_idle_pages`` pages that no running request uses, all kinds
+        together, and return the rest to the OS/driver. Given up first: idle slots' mappings
+        (largest slot first), then the least recently used cached prefixes; idle pool pages
+        get what the budget leaves (they save only a create call)."""
+        budget = self.max_idle_pages
+        if budget is None:
+            self.pool.trim()
+            return
+        if self._kept_pages() > budget:
+            self._reclaim(self._kept_pages() - budget, exclude=-1)
+        excess = self._kept_pages() - budget  # unmapped cached pages became cache-only
+        if excess > 0 and self.prefix is not None:
+            self.prefix.evict(excess)
+        keep = max(0, budget - self._kept_pages())
+        if self.pool.max_idle_pages is not None:
+            keep = min(keep, self.pool.max_idle_pages)
+        self.pool.trim(keep)
+
+    def reset_prefix_cache(self) -> int:
+        dropped = super().reset_prefix_cache()
+        self._trim_idle()  # the pages only the cache held are idle now
+        return dropped
 
     def free(self, request_id: str) -> None:
         slot = self.slots.release(request_id)
@@ -420,6 +452,7 @@ class VirtualKVCache(KVCacheManager):
             token_bytes=int(useful.sum()),
             virt_reserved_bytes=self.regions.nbytes,
             bytes_cached=cached * ps,
+            bytes_allocated=self.backend.allocated_bytes() or 0,
         )
 
     def check(self) -> None:

@@ -3,7 +3,13 @@
 ``memory`` knows pages and addresses, never requests: see :mod:`vmkv.kv` for that.
 """
 
-from vmkv.memory.base import BackendUnavailable, MappingBudgetExceeded, MemoryBackend, VmmError
+from vmkv.memory.base import (
+    BackendUnavailable,
+    MappingBudgetExceeded,
+    MemoryBackend,
+    MemoryStateLost,
+    VmmError,
+)
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import VirtualRegion
 
@@ -11,6 +17,7 @@ __all__ = [
     "BackendUnavailable",
     "MappingBudgetExceeded",
     "MemoryBackend",
+    "MemoryStateLost",
     "PagePool",
     "VirtualRegion",
     "VmmError",

@@ -14,10 +14,14 @@ of adjacent pages be mapped with one call and occupy one kernel VMA.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from vmkv.memory.stats import MemoryStats
+
+T = TypeVar("T")
 
 
 class VmmError(RuntimeError):
@@ -34,6 +38,28 @@ class MappingBudgetExceeded(VmmError):
     KV managers treat it like an out-of-pages condition: they answer "cannot" so the scheduler
     can preempt, instead of letting the kernel refuse the mapping later.
     """
+
+
+class MemoryStateLost(RuntimeError):
+    """Undoing a failed operation failed too (the OS or driver refused even the rollback), so
+    the mapping table may no longer match what is mapped. Not a :class:`VmmError` on purpose:
+    nobody may treat it as one request's failure; the engine stops instead."""
+
+
+#: attempts at one rollback step (re-mapping a page that was mapped a moment ago) before
+#: giving up with MemoryStateLost
+ROLLBACK_TRIES = 3
+
+
+def rolled_back(step: Callable[[], T]) -> T:
+    """Run one rollback step, retrying it when the OS/driver refuses; MemoryStateLost when it
+    keeps refusing."""
+    for _ in range(ROLLBACK_TRIES):
+        try:
+            return step()
+        except VmmError as exc:
+            last = exc
+    raise MemoryStateLost(f"a rollback was refused {ROLLBACK_TRIES} times: {last}") from last
 
 
 class MemoryBackend(ABC):
@@ -58,7 +84,11 @@ class MemoryBackend(ABC):
     device: torch.device
 
     def __init__(self) -> None:
+        from vmkv.memory.faults import FaultInjector
+
         self.stats = MemoryStats()
+        #: failpoints: disarmed unless a test or an operator arms them (vmkv/memory/faults.py)
+        self.faults = FaultInjector()
 
     # -- virtual address space -------------------------------------------------------------
     @abstractmethod
@@ -105,6 +135,11 @@ class MemoryBackend(ABC):
 
         Only mapped parts may be touched; an op over the whole tensor faults.
         """
+
+    def allocated_bytes(self) -> int | None:
+        """Physical memory the OS/driver holds for this backend now (pool pages and the anchor
+        page) as the OS counts it; None where the backend cannot tell."""
+        return None
 
     def synchronize(self) -> None:
         """Wait until no queued kernel can still read memory about to be unmapped."""

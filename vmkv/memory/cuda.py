@@ -156,6 +156,7 @@ class CudaMemoryBackend(MemoryBackend):
     # -- physical pages ----------------------------------------------------------------------
     def create_page(self, page_id: int) -> None:
         self._ensure_context()
+        self.faults.check("create", "cuMemCreate", cuda=True)
         with self.stats.timed("create", 1):
             self._handles[page_id] = self._call("cuMemCreate", self.page_size, self._prop, 0)
 
@@ -163,12 +164,18 @@ class CudaMemoryBackend(MemoryBackend):
         handle = self._handles[page_id]
         if handle is None:
             raise ValueError(f"release of page {page_id} which was never created")
+        self.faults.check("release", "cuMemRelease", cuda=True)
         with self.stats.timed("release", 1):
             self._call("cuMemRelease", handle)
         self._handles[page_id] = None
 
+    def allocated_bytes(self) -> int:
+        handles = sum(h is not None for h in self._handles) + (self._anchor is not None)
+        return handles * self.page_size
+
     # -- mapping -----------------------------------------------------------------------------
     def map_run(self, va: int, first_page: int, num_pages: int) -> None:
+        self.faults.check("map", "cuMemMap", cuda=True)
         with self.stats.timed("map", num_pages):
             self._map_handles(va, self._handles[first_page : first_page + num_pages])
 

@@ -24,6 +24,7 @@ import os
 import torch
 
 from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.faults import os_failure
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -43,14 +44,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _os_error(call: str) -> VmmError:
-    err = ctypes.get_errno()
-    return VmmError(f"{call} failed: {os.strerror(err)} ({_errno_name(err)})")
-
-
-def _errno_name(err: int) -> str:
-    import errno
-
-    return errno.errorcode.get(err, str(err))
+    return os_failure(call, ctypes.get_errno())
 
 
 def max_map_count() -> int:
@@ -104,29 +98,38 @@ class HostMemoryBackend(MemoryBackend):
 
     # -- physical pages ----------------------------------------------------------------------
     def create_page(self, page_id: int) -> None:
+        call = f"fallocate(create page {page_id})"
+        self.faults.check("create", call)
         with self.stats.timed("create", 1):
             if _libc.fallocate(self._fd, 0, page_id * self.page_size, self.page_size) != 0:
-                raise _os_error(f"fallocate(create page {page_id})")
+                raise _os_error(call)
 
     def release_page(self, page_id: int) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        call = f"fallocate(punch page {page_id})"
+        self.faults.check("release", call)
         with self.stats.timed("release", 1):
             if _libc.fallocate(self._fd, mode, page_id * self.page_size, self.page_size) != 0:
-                raise _os_error(f"fallocate(punch page {page_id})")
+                raise _os_error(call)
 
     def file_bytes(self) -> int:
         """Bytes the pool file really holds (``st_blocks``; RSS would miscount shared pages)."""
         return os.fstat(self._fd).st_blocks * 512
 
+    def allocated_bytes(self) -> int:
+        return self.file_bytes()
+
     # -- mapping -----------------------------------------------------------------------------
     def map_run(self, va: int, first_page: int, num_pages: int) -> None:
         n = num_pages * self.page_size
         flags = MAP_SHARED | MAP_FIXED
+        call = f"mmap(map {num_pages} pages at {va:#x})"
+        self.faults.check("map", call)
         with self.stats.timed("map", num_pages):
             got = _libc.mmap(va, n, PROT_READ | PROT_WRITE, flags, self._fd,
                              first_page * self.page_size)
             if got != va:
-                raise _os_error(f"mmap(map {num_pages} pages at {va:#x})")
+                raise _os_error(call)
 
     def map_anchor(self, va: int, num_pages: int) -> None:
         ps, anchor = self.page_size, self.max_pages * self.page_size

@@ -25,10 +25,13 @@ adjacent instead of interleaving with the other regions' (one run per page other
 from __future__ import annotations
 
 import heapq
+import logging
 
 import numpy as np
 
-from vmkv.memory.base import MemoryBackend
+from vmkv.memory.base import MemoryBackend, VmmError
+
+logger = logging.getLogger("vmkv")
 
 #: free pages a new run leaves after the end of another run, so that run can keep growing in
 #: place (many slots grow at once; starting right after a neighbour would cut its run short)
@@ -165,26 +168,36 @@ class PagePool:
             self._free_mask[page] = True
             self._make_idle(page)
 
-    def trim(self) -> int:
-        """Release idle pages beyond ``max_idle_pages`` (highest ids first); return how many."""
-        if self.max_idle_pages is None:
+    def trim(self, keep: int | None = None) -> int:
+        """Release idle pages beyond ``keep`` (default ``max_idle_pages``; None: keep all),
+        highest ids first; return how many.
+
+        A release the backend refuses (``VmmError``) leaves that page idle, stops the trim and
+        is logged: memory is returned later, accounting stays exact.
+        """
+        keep = self.max_idle_pages if keep is None else keep
+        if keep is None:
             return 0
-        excess = len(self._idle) - self.max_idle_pages
+        excess = len(self._idle) - keep
         if excess <= 0:
             return 0
+        released = 0
         for page in heapq.nlargest(excess, self._idle):
+            try:
+                self.backend.release_page(page)
+            except VmmError as exc:
+                logger.warning("could not return idle page %d to the OS/driver: %s", page, exc)
+                break
             self._idle.discard(page)
-            self.backend.release_page(page)
             self._created[page] = 0
             self._uncreated.add(page)
             heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
-        return excess
+            released += 1
+        return released
 
     def release_all_idle(self) -> None:
         """Return every idle page to the backend (used on shutdown and by tests)."""
-        keep, self.max_idle_pages = self.max_idle_pages, 0
-        self.trim()
-        self.max_idle_pages = keep
+        self.trim(keep=0)
 
     # -- internals ----------------------------------------------------------------------------
     def _run_start(self, lo: int, hi: int, num: int) -> int | None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vmkv.memory.base import MappingBudgetExceeded
+from vmkv.memory.base import MappingBudgetExceeded, rolled_back
 from vmkv.memory.pool import PagePool
 
 UNMAPPED = -1
@@ -124,9 +124,20 @@ class VirtualRegion:
 
     def replace(self, va_page: int, new_page: int) -> int:
         """Point one mapped virtual page at ``new_page`` (already referenced by the caller,
-        whose reference the mapping takes over); return the old physical page, released."""
-        old = self.unmap(va_page, 1)[0]
-        self._map(va_page, [new_page])
+        whose reference the mapping takes over); return the old physical page, released.
+
+        All or nothing: if mapping ``new_page`` fails, the old page is mapped back, the error
+        raised, and ``new_page`` stays the caller's (MemoryStateLost if even that is refused).
+        """
+        old = int(self.page_at[va_page])
+        self.pool.retain(old)  # keep it alive across the swap, to put it back on failure
+        self.unmap(va_page, 1)
+        try:
+            self._map(va_page, [new_page])
+        except BaseException:
+            rolled_back(lambda: self._map(va_page, [old]))  # the mapping takes over the hold
+            raise
+        self.pool.release(old)
         return old
 
     def close(self) -> None:

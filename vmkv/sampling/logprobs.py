@@ -8,6 +8,8 @@ settings, and it is finite even for a token that truncation made impossible to s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -35,3 +37,32 @@ def gather_logprobs(
         for row_ids, row_values, k in zip(indices.tolist(), values.tolist(), num_top, strict=True)
     ]
     return sampled, top
+
+
+#: prompt positions turned into logits at once (bounds the [rows, V] float32 temporaries)
+PROMPT_LOGPROBS_ROWS = 256
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, targets: list[int], num_top: int
+                    ) -> list[dict[int, float]]:
+    """Logprob entries of prompt tokens from the hidden states of the positions before them.
+
+    Args:
+        compute_logits: the model's LM head, ``[m, H] -> [m, V]`` float32.
+        hidden: ``[m, H]``, row ``j`` the position before ``targets[j]``.
+        targets: the prompt tokens to score (``len(targets) == m``).
+        num_top: how many most likely (id, logprob) pairs to add to each entry.
+
+    Returns:
+        Per target, ``{target: logprob, **top}``, as the sampled tokens' entries.
+    """
+    entries: list[dict[int, float]] = []
+    for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+        rows = hidden[start : start + PROMPT_LOGPROBS_ROWS]
+        ids = torch.tensor(targets[start : start + PROMPT_LOGPROBS_ROWS], device=hidden.device)
+        logprobs = compute_logits(rows).float().log_softmax(dim=-1)  # logprobs: [r, V]
+        chosen, top = gather_logprobs(logprobs, ids, [num_top] * len(ids))
+        for tok, lp, pairs in zip(ids.tolist(), chosen, top, strict=True):
+            entries.append({tok: lp, **dict(pairs)})
+    return entries

@@ -46,9 +46,15 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState], rows:
     logits.index_copy_(0, index, sub)
 
 
-def apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Set to -inf, in place, the ids each request may not sample yet (``masked_token_ids``)."""
-    masked = [s.masked_token_ids for s in states]
+def apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState],
+                     skip_rows: Sequence[int] = ()) -> None:
+    """Set to -inf, in place, the ids each request may not sample yet (``masked_token_ids``).
+
+    ``skip_rows`` are left alone: a grammar that is complete allows only EOS, and masking it
+    too would leave nothing to sample, so for constrained rows the grammar decides when to end.
+    """
+    skip = set(skip_rows)
+    masked = [() if i in skip else s.masked_token_ids for i, s in enumerate(states)]
     lengths = [len(m) for m in masked]
     if not any(lengths):
         return

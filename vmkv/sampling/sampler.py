@@ -4,6 +4,7 @@
         |
     penalties (repetition over prompt+output; presence/frequency over output)
     min_tokens (EOS and stop ids at -inf until enough outputs)
+    grammar bitmask (structured outputs: tokens the row's grammar forbids at -inf)
         |-- greedy rows: argmax
         '-- random rows: / temperature -> min_p -> top_k -> top_p -> softmax
                          -> argmax(probs / Exponential(1) noise)
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from vmkv.sampling.grammar import apply_grammar_bitmask, constrained_rows
 from vmkv.sampling.logprobs import gather_logprobs
 from vmkv.sampling.penalties import apply_min_tokens, apply_penalties
 from vmkv.sampling.state import SamplingState
@@ -65,13 +67,15 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(dim=-1) if has_logprobs else None
 
         penalised_rows = [i for i, s in enumerate(states) if _has_penalty(s.params)]
-        if (not penalised_rows and all(s.params.is_greedy for s in states)
+        grammar_rows = constrained_rows(states)
+        if (not penalised_rows and not grammar_rows and all(s.params.is_greedy for s in states)
                 and not any(s.masked_token_ids for s in states)):
             token_ids = logits.argmax(dim=-1)  # the common greedy batch: no copy of [B, V]
         else:
             logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
             apply_penalties(logits, states, penalised_rows)
-            apply_min_tokens(logits, states)
+            apply_min_tokens(logits, states, skip_rows=grammar_rows)
+            apply_grammar_bitmask(logits, states, grammar_rows)
             token_ids = self._sample(logits, states)  # token_ids: [B] int64
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), None, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ class SamplingState:
             ``params.stop_token_ids`` while fewer than ``params.min_tokens`` outputs exist.
         generator: seeded from ``params.seed`` when given, on ``device``; None for unseeded
             requests, which share the sampler's generator.
+        grammar: the structured-output matcher (``vmkv.structured.matcher.GrammarState``) of
+            a constrained request, advanced by the engine; None when unconstrained.
     """
 
     params: SamplingParams
@@ -32,6 +35,7 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    grammar: Any = None
     device: InitVar[torch.device | str] = "cpu"
 
     def __post_init__(self, device: torch.device | str) -> None:
