@@ -127,6 +127,11 @@ def omp_wait_policy() -> str | None:
     return OMP_WAIT_POLICY.get()
 
 
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``, for a child process (benchmarks)."""
+    return {**os.environ, **overrides}
+
+
 def table() -> str:
     """The Markdown table of :data:`ALL` that docs/configuration.md carries."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vmkv import envs
+
 _CHILD = """
 import json, sys, time
 t = {"start": time.time()}
@@ -56,7 +58,7 @@ def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", _CHILD, *engine_argv], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                          env={**os.environ, **(env or {})})
+                          env=envs.child_environment(**(env or {})))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMKV_STARTUP ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"start-up probe failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

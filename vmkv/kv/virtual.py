@@ -431,14 +431,18 @@ class VirtualKVCache(KVCacheManager):
     def usage(self) -> KVUsage:
         ps, row = self.pool.page_size, self.layout.row_bytes
         useful = np.zeros(self.pool.num_pages, dtype=np.int64)  # live bytes per physical page
+        va_pages, live = [], []  # every request's va pages with their live bytes
         for rid, slot in self.slots.slot_of.items():
             n = self._num_tokens[rid]
             need = self.layout.pages_for(n)
-            if not need:
-                continue
-            live = np.minimum(ps, n * row - np.arange(need) * ps)
-            for pages in self.regions.pages(self._first_va_page(slot), need):
-                np.maximum.at(useful, pages, live)
+            if need:
+                first = self._first_va_page(slot)
+                va_pages.append(np.arange(first, first + need))
+                live.append(np.minimum(ps, n * row - np.arange(need) * ps))
+        if va_pages:  # vectorised over requests and regions (this runs every benchmark step)
+            va, lv = np.concatenate(va_pages), np.concatenate(live)
+            phys = np.concatenate([region.page_at[va] for region in self.regions])
+            np.maximum.at(useful, phys, np.tile(lv, len(self.regions)))  # shared: the largest
         cached = 0
         if self.prefix is not None:
             cached = sum(len(p) for p in self.prefix.holds() if self.prefix.units.is_cache_only(p))
