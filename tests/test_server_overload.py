@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 import pytest
+import serving
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import Running, start, wait_idle
 
@@ -37,13 +38,7 @@ def serve(**config: Any) -> Callable[..., Running]:
 
     @pytest.fixture(scope="module")
     def fixture() -> Iterator[Running]:
-        llm = LLMEngine(EngineConfig(**engine_options))
-        engine = AsyncEngine(llm)
-        running = start(engine, **config)
-        yield running
-        running.stop()
-        engine.shutdown()
-        llm.close()
+        yield from serving.serve(EngineConfig(**engine_options), **config)
 
     return fixture
 
