@@ -72,6 +72,26 @@ def available() -> bool:
     return _lib() is not None
 
 
+def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+             starts: torch.Tensor | None, block_table: torch.Tensor | None
+             ) -> tuple[ctypes.CDLL, torch.Tensor | None, torch.Tensor | None, int]:
+    """Checks both kernels share; the library and the addressing as the kernel reads it
+    (``starts`` int64, ``block_table`` int32 and its row stride; the caller keeps them alive)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+    if q.dtype != torch.float32 or k_rows.dtype != torch.float32:
+        raise ValueError(f"the CPU {kind} kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
+    if (starts is None) == (block_table is None):
+        raise ValueError("give exactly one of starts or block_table")
+    if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+        return lib, None, block_table, block_table.stride(0)
+    return lib, starts.to(torch.int64).contiguous(), None, 0
+
+
 def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tensor,
            scale: float, *, starts: torch.Tensor | None = None,
            block_table: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
@@ -82,25 +102,12 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
     ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else. Returns
     ``[B, heads * D]`` float32.
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    if q.dtype != torch.float32 or k_rows.dtype != torch.float32:
-        raise ValueError(f"the CPU decode kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
-    if (starts is None) == (block_table is None):
-        raise ValueError("give exactly one of starts or block_table")
-    if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    lib, starts, block_table, table_stride = _checked("decode", q, k_rows, v_rows, starts,
+                                                      block_table)
     batch, heads, dim = q.shape
     kv_heads = k_rows.shape[1]
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     lens = seq_lens.to(torch.int32).contiguous()
-    table_stride = 0
-    if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-        table_stride = block_table.stride(0)
-    else:
-        starts = starts.to(torch.int64).contiguous()
     err = lib.vmkv_cpu_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
@@ -127,26 +134,14 @@ def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start
     seq_lens[b] - q_lens[b] + i``, addressed by ``starts`` or ``block_table`` as in
     :func:`decode`. Nothing else is read.
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    if q.dtype != torch.float32 or k_rows.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError(f"the CPU prefill kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
-    if (starts is None) == (block_table is None):
-        raise ValueError("give exactly one of starts or block_table")
-    if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    lib, starts, block_table, table_stride = _checked("prefill", q, k_rows, v_rows, starts,
+                                                      block_table)
     tokens, heads, dim = q.shape
-    if out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{tokens}, {heads * dim}], got {tuple(out.shape)}")
+    if out.dtype != torch.float32 or out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
+        raise ValueError(f"out must be float32 [{tokens}, {heads * dim}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
     q_start, q_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_lens))
     lens = seq_lens.to(torch.int32).contiguous()
-    table_stride = 0
-    if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-        table_stride = block_table.stride(0)
-    else:
-        starts = starts.to(torch.int64).contiguous()
     err = lib.vmkv_cpu_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
