@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from vmkv import envs
+from vmkv.config import EngineConfig
 from vmkv.config_args import (
     add_engine_args,
     add_model_arg,
@@ -334,6 +335,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tp_worker(args: argparse.Namespace) -> int:
+    from vmkv import envs
+    from vmkv.distributed.worker import rank_device, serve_rank
+
+    rank, size, local_rank = envs.torchrun_rank()
+    if not 0 < rank < size:
+        raise ValueError(f"vmkv tp-worker serves ranks 1..WORLD_SIZE-1 (rank 0 is the engine), "
+                         f"got RANK={rank}, WORLD_SIZE={size}")
+    serve_rank(rank, size, "env://", rank_device(args.device, local_rank), args.timeout)
+    return 0
+
+
 def cmd_model_fetch(args: argparse.Namespace) -> int:
     from vmkv.models import fetch_default_model
 
@@ -357,6 +370,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-seed", type=int, default=None)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tp-worker", help="one tensor-parallel rank joining an engine on another "
+                       "machine (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (LOCAL_RANK is added)")
+    p.add_argument("--timeout", type=float,
+                   default=EngineConfig.__dataclass_fields__["distributed_timeout"].default,
+                   help="seconds a collective waits (use the engine's --distributed-timeout)")
+    p.set_defaults(func=cmd_tp_worker)
 
     model = sub.add_parser("model", help="model cache").add_subparsers(dest="model_cmd",
                                                                         required=True)

@@ -118,6 +118,18 @@ class EngineConfig:
         "virtual", "virtual: contiguous slots, pages mapped on demand; paged: block tables",
         choices=KV_MODES)
     device: str = option("cpu", "cpu or cuda[:N]")
+    tensor_parallel_size: int = option(
+        1, "ranks the model is sharded over, one process each (Megatron-style; gloo on CPU, "
+        "NCCL on CUDA)", minimum=1)
+    tp_local_ranks: int | None = option(
+        None, "tensor-parallel ranks this machine starts (0 .. k-1); ranks k .. N-1 join with "
+        "`vmkv tp-worker` (docs/distributed.md); default: all", minimum=1)
+    distributed_init_method: str | None = option(
+        None, "torch.distributed rendezvous for tensor parallelism: env:// (MASTER_ADDR, "
+        "MASTER_PORT) or tcp://host:port; default: a free port on 127.0.0.1")
+    distributed_timeout: int = option(
+        120, "seconds a collective waits for a rank before the engine fails (a rank that "
+        "dies fails it at once)", minimum=1)
     dtype: str = option(
         "auto", "weights and KV dtype; auto: float32 on CPU (these CPUs have no fast bf16), "
         "bfloat16 on CUDA", choices=DTYPES)

@@ -61,6 +61,21 @@ VMKV_BUILD_DIR = EnvVar(
     "VMKV_BUILD_DIR", "~/.cache/vmkv/csrc", "compiled C++/CUDA kernels (csrc/)")
 CUDA_HOME = EnvVar(
     "CUDA_HOME", "/usr/local/cuda", "where `nvcc` is looked for when it is not on PATH")
+VMKV_TP_CHECK = EnvVar(
+    "VMKV_TP_CHECK", "0",
+    "tensor parallelism debug mode: after every step each rank sends rank 0 a digest of its KV "
+    "manager (slot ids or block tables, token counts, free pages/blocks); a difference fails "
+    "the engine")
+RANK = EnvVar("RANK", None, "`vmkv tp-worker`: this process's tensor-parallel rank (torchrun's "
+              "convention)")
+WORLD_SIZE = EnvVar("WORLD_SIZE", None, "`vmkv tp-worker`: all ranks (= the engine's "
+                    "`--tensor-parallel-size`)")
+LOCAL_RANK = EnvVar("LOCAL_RANK", "0", "`vmkv tp-worker`: this rank's index on its machine "
+                    "(picks its GPU)")
+MASTER_ADDR = EnvVar("MASTER_ADDR", None, "`env://` rendezvous: rank 0's address (read by "
+                     "torch.distributed)")
+MASTER_PORT = EnvVar("MASTER_PORT", None, "`env://` rendezvous: rank 0's port (read by "
+                     "torch.distributed)")
 OMP_WAIT_POLICY = EnvVar(
     "OMP_WAIT_POLICY", None,
     "OpenMP idle threads; read once, when torch loads its OpenMP runtime. PASSIVE: idle threads "
@@ -75,7 +90,8 @@ GOMP_SPINCOUNT = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
-    VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
+    VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK, RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
 )
 
 _OFF = ("0", "false", "no", "off")
@@ -100,6 +116,19 @@ def compile_enabled() -> bool:
 
 def background_mapper() -> bool:
     return _switch(VMKV_BACKGROUND_MAPPER)
+
+
+def tp_check() -> bool:
+    return _switch(VMKV_TP_CHECK)
+
+
+def torchrun_rank() -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` for ``vmkv tp-worker``; ValueError when unset."""
+    rank, size = RANK.get(), WORLD_SIZE.get()
+    if rank is None or size is None:
+        raise ValueError("vmkv tp-worker needs RANK and WORLD_SIZE (and MASTER_ADDR, "
+                         "MASTER_PORT) in the environment")
+    return int(rank), int(size), int(LOCAL_RANK.get() or 0)
 
 
 def process_tuning() -> bool:

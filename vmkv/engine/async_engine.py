@@ -153,6 +153,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._deliver(out)
+                else:  # idle: a dead tensor-parallel rank must not wait for the next request
+                    self.engine.check_health()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
             logger.exception("engine loop died")
             self.dead = exc

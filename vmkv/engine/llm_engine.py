@@ -16,20 +16,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from vmkv import envs
-from vmkv.attention import create_attention_backend
 from vmkv.config import EngineConfig
+from vmkv.distributed.executor import TensorParallelExecutor
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
+from vmkv.engine.shard import build_shard
 from vmkv.engine.stopping import check_stop, stream_safe_len
-from vmkv.kv import create_kv_cache
 from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
-from vmkv.models import load_model, load_tokenizer, parse_dtype, resolve_model
-from vmkv.models.compile import try_compile
+from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler, SamplingState
 from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
@@ -62,37 +61,39 @@ class LLMEngine:
         started = time.monotonic()
         self.config = config
         self.model_path = resolve_model(config.model)
-        self.dtype = parse_dtype(config.torch_dtype_name)
-        self.model, self.model_config = load_model(self.model_path, self.dtype, config.device,
-                                                   linear_backend=config.linear_backend)
+        # tensor parallelism: workers for ranks 1..N-1 (they build their shards meanwhile)
+        self.tp: TensorParallelExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            self.tp = TensorParallelExecutor(config, self.model_path)
+        try:
+            shard = build_shard(config, self.model_path)
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close(graceful=False)
+            raise
+        self.model, self.model_config = shard.model, shard.model_config
+        self.max_model_len, self.attn, self.compiled = (
+            shard.max_model_len, shard.attn, shard.compiled)
+        # the scheduler's and the engine's KV calls reach every rank through the recorder
+        self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
+        self.dtype = self.model.dtype
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        limit = self.model_config.max_model_len
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"limit ({limit})")
-        self.max_model_len = config.max_model_len or limit
-        self.kv = create_kv_cache(config.cache, self.model_config.kv_spec(self.dtype),
-                                  num_slots=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, device=config.device)
-        self.attn = create_attention_backend(self.kv)
-        # CPU: the decoder layers compiled with TorchInductor (off: --enforce-eager or
-        # VMKV_COMPILE=0; without a compiler or on a failure: eager, logged)
-        self.compiled = (config.device == "cpu" and not config.enforce_eager
-                         and envs.compile_enabled()
-                         and try_compile(self.model, self._warm_up_step))
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
-        # VMKV_BACKGROUND_MAPPER=0); the KV manager waits for it at every call
+        # VMKV_BACKGROUND_MAPPER=0, and under tensor parallelism); the KV manager waits for it
         self.mapper: BackgroundMapper | None = None
-        if envs.background_mapper():
+        if envs.background_mapper() and self.tp is None:
             self.mapper = self.kv.start_background_mapper()
-        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0); None on
-        # the CPU
-        self.graphs = None if config.enforce_eager else maybe_create_graph_runner(
-            self.model, self.attn, max_batch_size=config.max_num_seqs, mapper=self.mapper)
+        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0, and under
+        # tensor parallelism); None on the CPU
+        self.graphs = None if config.enforce_eager or self.tp is not None else (
+            maybe_create_graph_runner(self.model, self.attn, max_batch_size=config.max_num_seqs,
+                                      mapper=self.mapper))
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.attn, self.graphs)
+        self.runner = ModelRunner(self.model, self.attn, self.graphs, self.tp)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         eos = list(self.model_config.eos_token_ids)
@@ -108,20 +109,6 @@ class LLMEngine:
         for line in self.startup_report():
             logger.info(line)
 
-    def _warm_up_step(self, num_tokens: int) -> None:
-        """One real forward of ``num_tokens`` tokens of a throw-away request (compiles the
-        graph of that size); its KV is freed again."""
-        rid = "__vmkv_warm_up__"
-        if not self.kv.allocate(rid, num_tokens):
-            raise RuntimeError(f"no KV room for a {num_tokens}-token warm-up step")
-        try:
-            meta = self.attn.prepare([rid], [0], [num_tokens])
-            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.model.device)
-            positions = torch.arange(num_tokens, device=self.model.device)
-            self.model.forward(ids, positions, self.attn, meta)
-        finally:
-            self.kv.free(rid)
-
     # -- reporting ----------------------------------------------------------------------------
     def startup_report(self) -> list[str]:
         """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
@@ -136,6 +123,10 @@ class LLMEngine:
             kv.describe(),
             "decoder layers compiled (TorchInductor)" if self.compiled else "model runs eagerly",
         ]
+        if self.tp is not None:
+            lines.append(f"tensor parallel: {self.tp.size} ranks; each holds the KV above for "
+                         f"{self.model.config.num_kv_heads} of the "
+                         f"{self.model_config.num_kv_heads} KV heads")
         return lines
 
     # -- requests -----------------------------------------------------------------------------
@@ -415,3 +406,11 @@ class LLMEngine:
         self.kv.close()
         if self.mapper is not None:
             self.mapper.close()
+        if self.tp is not None:
+            self.tp.close()
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (a tensor-parallel rank died or hangs);
+        the async engine calls it while idle."""
+        if self.tp is not None:
+            self.tp.check_health()

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from vmkv.attention.base import AttentionBackend
+from vmkv.distributed.messages import StepInputs
 from vmkv.engine.scheduler import SchedulerOutput
 from vmkv.engine.sequence import Sequence
 from vmkv.models.llama import LlamaModel
 
 if TYPE_CHECKING:
+    from vmkv.distributed.executor import TensorParallelExecutor
     from vmkv.engine.cuda_graphs import DecodeGraphRunner
 
 
@@ -38,10 +41,12 @@ class ModelRunner:
     """Owns the model and the attention backend; every tensor of a step is built here."""
 
     def __init__(self, model: LlamaModel, attn: AttentionBackend,
-                 graphs: DecodeGraphRunner | None = None) -> None:
+                 graphs: DecodeGraphRunner | None = None,
+                 tp: TensorParallelExecutor | None = None) -> None:
         self.model = model
         self.attn = attn
         self.graphs = graphs  # captured decode steps (CUDA); None runs every step eagerly
+        self.tp = tp  # tensor parallelism: every step is sent to the other ranks first
         self.device = model.device
 
     @torch.inference_mode()
@@ -77,10 +82,12 @@ class ModelRunner:
             # decode-only: one copy into the bucket's static buffer, then a graph replay
             hidden = self.graphs.run(request_ids, context_lens, ids, positions)  # [T, hidden]
         else:
-            meta = self.attn.prepare(request_ids, context_lens, query_lens)
-            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
-            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
-            hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
+            with (nullcontext() if self.tp is None else self.tp.step(
+                    StepInputs(request_ids, context_lens, query_lens, ids, positions))):
+                meta = self.attn.prepare(request_ids, context_lens, query_lens)
+                input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+                pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [T]
+                hidden = self.model.forward(input_ids, pos, self.attn, meta)  # [T, hidden]
         prompt_hidden = [PromptHidden(seq, first, hidden[row : row + m])
                          for seq, first, row, m in prompt_spans]
         if not sample_rows:

@@ -116,6 +116,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: torch.dtype | None = None
     sliding_window: int | None = None
+    #: ranks the decoder layers are split over; >1 makes this one rank's shard (its heads and
+    #: MLP columns, see :mod:`vmkv.distributed.sharding`), whose O and down projections are
+    #: summed over the ranks
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

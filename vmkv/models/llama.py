@@ -21,6 +21,7 @@ from torch import nn
 
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.op import attention, attention_step
+from vmkv.distributed.collectives import all_reduce
 from vmkv.models.config import ModelConfig
 from vmkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -36,6 +37,7 @@ class LlamaAttention(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.scale = cfg.scale
+        self.reduce = cfg.tensor_parallel_size > 1  # a shard: O sums over the ranks
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias,
                                   device=device, dtype=dtype)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias,
@@ -58,7 +60,8 @@ class LlamaAttention(nn.Module):
             qk = apply_rope(heads[:, : hq + self.num_kv_heads], cos, sin)  # [T, Hq + Hkv, D]
             q, k = qk[:, :hq], qk[:, hq:]
         out = attention(q, k, v, self.scale)  # [T, Hq * D], this layer's (the step counts)
-        return self.o_proj(out)  # [T, hidden]
+        out = self.o_proj(out)  # [T, hidden]
+        return all_reduce(out) if self.reduce else out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,11 +76,13 @@ class LlamaDecoderLayer(nn.Module):
                                                 device=device, dtype=dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
                             device=device, dtype=dtype)
+        self.reduce_mlp = cfg.tensor_parallel_size > 1  # a shard: down sums over the ranks
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp = self.mlp(self.post_attention_layernorm(x))  # [T, hidden]
+        return x + (all_reduce(mlp) if self.reduce_mlp else mlp)
 
 
 class LlamaModel(nn.Module):

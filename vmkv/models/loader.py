@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from vmkv.distributed.sharding import shard_config, shard_state
 from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
@@ -116,12 +117,14 @@ def hf_to_vmkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu", *, linear_backend: str = "auto"
-               ) -> tuple[LlamaModel, ModelConfig]:
+               device: str | torch.device = "cpu", *, linear_backend: str = "auto",
+               tensor_parallel: tuple[int, int] = (0, 1)) -> tuple[LlamaModel, ModelConfig]:
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
 
     ``linear_backend`` (float32 on CPU): "auto"/"onednn" pack the linear layers for oneDNN
-    (:mod:`vmkv.models.linear`), "torch" keeps ``F.linear``.
+    (:mod:`vmkv.models.linear`), "torch" keeps ``F.linear``. ``tensor_parallel = (rank,
+    size)``: only that rank's shard (:mod:`vmkv.distributed.sharding`). Returns the model and
+    the whole model's config (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
     weights that do not fit the config.
@@ -134,8 +137,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     for file in safetensors_files(path):
         tensors.update((name, t.to(device=device, dtype=dtype))
                        for name, t in load_file(file).items())
-    model = LlamaModel(cfg, dtype=dtype, device="meta", rope_device=device)
-    model.load_weights(hf_to_vmkv(tensors))
+    rank, size = tensor_parallel
+    model = LlamaModel(shard_config(cfg, rank, size), dtype=dtype, device="meta",
+                       rope_device=device)
+    model.load_weights(shard_state(hf_to_vmkv(tensors), cfg, rank, size))
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,
                 _num_params(model), cfg.num_layers, path, dtype, device)

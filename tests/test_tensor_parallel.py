@@ -1,0 +1,273 @@
+"""Tensor parallelism on the CPU (gloo): sharding, the KV replay, and whole engines whose
+greedy tokens must equal the 1-rank engine's, in both KV modes; a killed worker; a worker that
+joins from outside (``vmkv tp-worker``, env://)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import save_random_model
+
+from vmkv.config import CacheConfig, EngineConfig
+from vmkv.distributed.executor import TensorParallelError, free_port
+from vmkv.distributed.kv_replay import KVDivergedError, KVReplayer, RecordingKV, kv_digest
+from vmkv.distributed.sharding import head_slices, shard_config, shard_state
+from vmkv.engine.llm_engine import LLMEngine
+from vmkv.kv import KVSpec, create_kv_cache
+from vmkv.models import load_model_config, resolve_model
+from vmkv.models.loader import hf_to_vmkv
+from vmkv.sampling_params import SamplingParams
+
+VOCAB = 49152  # the default model's tokenizer, which the random models borrow
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+# -- sharding ------------------------------------------------------------------------------------
+def _llama(heads: int, kv_heads: int, path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    save_random_model(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+        max_position_embeddings=512, tie_word_embeddings=False), path, seed=heads + kv_heads)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 query heads, 4 KV heads: two ranks split both."""
+    return _llama(8, 4, tmp_path_factory.mktemp("gqa"))
+
+
+@pytest.fixture(scope="module")
+def mqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 query heads, 1 KV head: two ranks each hold a copy of it."""
+    return _llama(4, 1, tmp_path_factory.mktemp("mqa"))
+
+
+def test_shard_config_splits_heads_and_replicates_scarce_kv_heads(mqa_model: Path) -> None:
+    cfg = load_model_config(mqa_model)
+    assert [head_slices(cfg, r, 2) for r in range(2)] == [((0, 2), (0, 1), (0, 64)),
+                                                          ((2, 2), (0, 1), (64, 64))]
+    shard = shard_config(cfg, 1, 2)
+    assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size,
+            shard.tensor_parallel_size) == (2, 1, 64, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 "
+                                         "attention heads"):
+        shard_config(cfg, 0, 3)
+    default = load_model_config(resolve_model(None, progress=False))  # 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match="9 attention heads"):
+        shard_config(default, 0, 2)
+
+
+def test_shards_recompose_the_whole_projections(gqa_model: Path) -> None:
+    """Column shards are row blocks of the whole weight; row-parallel outputs sum to the
+    whole output (bias counted once)."""
+    from safetensors.torch import load_file
+
+    cfg = load_model_config(gqa_model)
+    state = hf_to_vmkv(load_file(gqa_model / "model.safetensors"))
+    shards = [shard_state(state, cfg, r, 2) for r in range(2)]
+    x = torch.randn(3, cfg.q_size)
+    o = "layers.0.self_attn.o_proj.weight"
+    whole = x @ state[o].T
+    halves = [x[:, r * cfg.q_size // 2 : (r + 1) * cfg.q_size // 2] @ shards[r][o].T
+              for r in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], whole)
+    qkv = "layers.0.self_attn.qkv_proj.weight"
+    q_rows = cfg.q_size // 2
+    assert torch.equal(shards[1][qkv][:q_rows], state[qkv][q_rows : 2 * q_rows])
+    assert shards[0][qkv].shape[0] == (cfg.q_size + 2 * cfg.kv_size) // 2
+
+
+# -- the KV replay -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_replayed_calls_keep_every_manager_identical(kv_mode: str) -> None:
+    """Allocations, forks, swaps, prefix hits, frees and resets recorded on one manager and
+    replayed on another leave both with the same rows, counts and free units at every step."""
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=16)
+    config = CacheConfig(kv_mode=kv_mode, kv_cache_memory=40 * 16 * spec.bytes_per_token,
+                         page_size=4096, block_size=16, enable_prefix_caching=True)
+
+    def manager():  # noqa: ANN202
+        return create_kv_cache(config, spec, num_slots=6, max_model_len=256)
+
+    leader, follower = RecordingKV(manager()), manager()
+    replayer = KVReplayer(follower, rank=1)
+    prompt = list(range(100, 140))
+    held = {}
+
+    def sync() -> None:
+        replayer.apply(leader.take_calls(), leader.swapped_ids())
+        assert kv_digest(leader) == kv_digest(follower)
+
+    for i, rid in enumerate("abcd"):
+        hit = leader.match_prefix(rid, prompt + [i], None)
+        assert leader.allocate(rid, 41 - hit)
+        leader.cache_computed(rid, prompt + [i], 41, None)
+        sync()
+    assert leader.fork("a", "a2") and leader.allocate("a2", 5)
+    held["b"] = leader.swap_out("b")
+    sync()
+    assert set(replayer.swapped) == {"b"}
+    leader.free("c")
+    assert leader.allocate("d", 30)
+    assert leader.swap_in("b", held.pop("b"))
+    sync()
+    held["d"] = leader.swap_out("d")
+    del held["d"]  # the scheduler dropped it (an abort while swapped out)
+    leader.reset_prefix_cache()
+    sync()
+    assert replayer.swapped == {}
+    for rid in leader.request_ids():
+        leader.free(rid)
+    sync()
+    while follower.allocate(f"x{len(follower.request_ids())}", 100):  # a worker whose memory
+        pass                                                             # went elsewhere
+    assert leader.allocate("y", 100)
+    with pytest.raises(KVDivergedError, match="rank 1: KV allocate"):
+        replayer.apply(leader.take_calls(), [])
+    leader.close()
+    follower.close()
+
+
+# -- whole engines -------------------------------------------------------------------------------
+def _config(model: Path, kv_mode: str, tp: int, *, tokens: int = 2048,
+            **kw: object) -> EngineConfig:
+    """The same geometry at every tp: ``tokens`` of KV in 32-token pages (all-layers layout)
+    or 16-token blocks. A rank holds 1/tp of the KV heads (or a copy of a scarce one), so its
+    bytes per token, page size and memory scale with that."""
+    per_token = shard_config(load_model_config(model), 0, tp).kv_spec().bytes_per_token
+    return EngineConfig(model=str(model), tokenizer=str(resolve_model(None, progress=False)),
+                        kv_mode=kv_mode, tensor_parallel_size=tp, enforce_eager=True,
+                        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                        kv_cache_memory=tokens * per_token, kv_layout="all-layers",
+                        page_size=32 * per_token, **kw)  # type: ignore[arg-type]
+
+
+def _workload(engine: LLMEngine) -> dict[str, list[list[int]]]:
+    """Shared prefixes (prefix hits), n=2 (a fork), an abort, chunked prefill, and enough
+    tokens to preempt in a small cache; returns every request's output token ids."""
+    prefix = [(7 * i) % 500 + 20 for i in range(40)]
+    prompts = {f"p{i}": prefix + [600 + i] * (3 + i) for i in range(5)}
+    prompts["long"] = [(13 * i) % 700 + 30 for i in range(90)]
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    engine.add_request("n2", prefix[:20], SamplingParams(temperature=0.0, max_tokens=10,
+                                                         ignore_eos=True, n=2))
+    engine.add_request("aborted", prefix[:30], GREEDY)
+    results: dict[str, list[list[int]]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [o.token_ids for o in out.outputs]
+        steps += 1
+        if steps == 3:
+            out = engine.abort_request("aborted")
+            assert out is not None and out.outputs[0].finish_reason == "abort"
+            results["aborted"] = [out.outputs[0].token_ids]
+    return results
+
+
+def _run(config: EngineConfig) -> tuple[dict[str, list[list[int]]], int]:
+    engine = LLMEngine(config)
+    try:
+        results = _workload(engine)
+        return results, engine.scheduler.stats.num_preemptions
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("model", "kv_mode", "preemption"), [
+    ("gqa_model", "virtual", "recompute"), ("gqa_model", "paged", "swap"),
+    ("mqa_model", "virtual", "swap"), ("mqa_model", "paged", "recompute")])
+def test_two_ranks_equal_one(model: str, kv_mode: str, preemption: str,
+                             request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+                             ) -> None:
+    """Greedy tokens of 2 ranks equal 1 rank's, through prefix hits, forks, an abort and
+    preemption; VMKV_TP_CHECK compares the ranks' KV managers after every step."""
+    path = request.getfixturevalue(model)
+    monkeypatch.setenv("VMKV_TP_CHECK", "1")
+    one, preempted_one = _run(_config(path, kv_mode, 1, tokens=320, preemption_mode=preemption))
+    two, preempted_two = _run(_config(path, kv_mode, 2, tokens=320, preemption_mode=preemption))
+    assert preempted_one > 0 and preempted_two == preempted_one
+    assert two == one
+    assert "aborted" in one and len(one["n2"]) == 2 and len(one["long"][0]) == 12
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_default_model_on_three_ranks_equals_one(kv_mode: str, default_model: str) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads) on 3 ranks: one KV head each."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 20843, 10358, 28, 216], [1, 7, 2, 9] * 5]
+    outs = {}
+    for tp in (1, 3):
+        engine = LLMEngine(EngineConfig(
+            model=str(default_model), kv_mode=kv_mode, tensor_parallel_size=tp, enforce_eager=True,
+            max_model_len=256, kv_cache_memory=64 << 20))
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, GREEDY)
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step()
+                            if o.finished)
+            outs[tp] = done
+        finally:
+            engine.close()
+    assert outs[3] == outs[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_worker_fails_the_engine_fast_and_leaves_no_process(gqa_model: Path) -> None:
+    engine = LLMEngine(_config(gqa_model, "virtual", 2))
+    workers = list(engine.tp.workers.values())
+    engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - started < 5
+    engine.close()
+    assert not any(_alive(w.pid) for w in workers)
+
+
+def test_an_outside_worker_joins_through_env(gqa_model: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 started by hand (``vmkv tp-worker``, torchrun-style variables), as on a second
+    machine; the engine starts only rank 0 (tp_local_ranks=1)."""
+    port = str(free_port())
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "vmkv.cli", "tp-worker"],
+        env={**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    try:
+        config = _config(gqa_model, "paged", 2, tp_local_ranks=1,
+                         distributed_init_method="env://")
+        engine = LLMEngine(config)
+        try:
+            engine.add_request("r", list(range(30, 50)), GREEDY)
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+            assert len(outs[0].outputs[0].token_ids) == 12
+        finally:
+            engine.close()
+        assert worker.wait(30) == 0
+    finally:
+        worker.kill()

@@ -1,0 +1,196 @@
+"""Rank 0's side of tensor parallelism: start the workers, send every step, notice failures.
+
+    TensorParallelExecutor(config, model_path)     spawn ranks 1..local-1, join the groups,
+                                                   send them the config (they build shards)
+    kv = executor.record(shard.kv)                 the scheduler's KV: calls are recorded
+    with executor.step(inputs): model.forward(...) the workers replay the calls, then run
+                                                   the same forward (all-reduces meet)
+    executor.check_health()                        idle: workers alive? (a barrier every 5 s)
+    executor.close()                               CLOSE, join, kill what is left, leave groups
+
+The scheduler runs here only; see :mod:`vmkv.distributed.kv_replay` for why the workers'
+slot ids and block tables agree. A worker that dies breaks gloo's connections, so the next
+collective fails at once; one that hangs fails it after ``config.distributed_timeout``
+seconds. Either way the engine gets a :class:`TensorParallelError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vmkv import envs
+from vmkv.config import EngineConfig
+from vmkv.distributed.collectives import (
+    barrier,
+    broadcast_message,
+    close_tensor_parallel,
+    gather_messages,
+    init_tensor_parallel,
+)
+from vmkv.distributed.kv_replay import KVDivergedError, RecordingKV, kv_digest
+from vmkv.distributed.messages import CLOSE, StepInputs, StepMessage
+from vmkv.distributed.sharding import check_divisible
+from vmkv.distributed.worker import local_worker_command, rank_device
+from vmkv.kv.base import KVCacheManager
+from vmkv.models.loader import load_model_config
+
+logger = logging.getLogger("vmkv")
+
+#: how often an idle engine makes sure every rank still answers
+PING_INTERVAL = 5.0
+#: how long close() waits for a worker to exit before killing it
+JOIN_TIMEOUT = 10.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, hung past the collective timeout, or diverged."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    """Rank 0 of ``config.tensor_parallel_size`` ranks (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        size = config.tensor_parallel_size
+        local = config.tp_local_ranks or size
+        if local > size:
+            raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
+        check_divisible(load_model_config(model_path), size)  # before any process starts
+        self.size = size
+        self.check = envs.tp_check()
+        self.kv: RecordingKV | None = None
+        self.closed = False
+        self._last_message = time.monotonic()
+        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        threads = max(1, torch.get_num_threads() // local)
+        self.workers: dict[int, subprocess.Popen] = {}  # rank -> process
+        try:
+            for rank in range(1, local):
+                self.workers[rank] = subprocess.Popen(local_worker_command(
+                    rank, size, init_method, rank_device(config.device, rank),
+                    config.distributed_timeout, threads))
+            if config.device == "cpu":
+                torch.set_num_threads(threads)
+            init_tensor_parallel(0, size, init_method, rank_device(config.device, 0),
+                                 config.distributed_timeout)
+            broadcast_message(replace(config, model=str(model_path)))
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        logger.info("tensor parallel: %d ranks (%d on this machine, %d CPU threads each) at %s",
+                    size, local, threads, init_method)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its shard (warm-up included)."""
+        try:
+            barrier()
+        except RuntimeError as exc:
+            raise self._failure(exc) from exc
+
+    def record(self, kv: KVCacheManager) -> RecordingKV:
+        """Wrap rank 0's manager: the calls made through the wrapper reach every rank."""
+        self.kv = RecordingKV(kv)
+        return self.kv
+
+    @contextmanager
+    def step(self, inputs: StepInputs) -> Iterator[None]:
+        """Send the KV calls so far and ``inputs``; the body runs rank 0's forward."""
+        self._send(self._message(step=inputs))
+        try:
+            yield
+            if self.check:
+                self._compare_digests()
+        except (RuntimeError, KVDivergedError) as exc:
+            raise self._failure(exc) from exc
+
+    def check_health(self) -> None:
+        """Raise TensorParallelError if a local worker died; every PING_INTERVAL seconds, also
+        a barrier of all ranks (a remote or hung rank fails it within the timeout)."""
+        self._raise_if_dead()
+        if time.monotonic() - self._last_message < PING_INTERVAL:
+            return
+        self._send(self._message(ping=True))
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            raise self._failure(exc) from exc
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Tell the workers to stop, wait for them (kill the slow), leave the groups.
+        ``graceful=False`` (a failed start-up, when workers are not in their loop): kill."""
+        if self.closed:
+            return
+        self.closed = True
+        if not graceful or self._dead_workers():  # nothing left to finish: stop them all
+            for worker in self.workers.values():
+                worker.kill()
+        elif dist.is_initialized():
+            try:
+                broadcast_message(CLOSE)
+            except RuntimeError as exc:
+                logger.warning("tensor parallel: could not tell the workers to stop: %s", exc)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        for rank, worker in self.workers.items():
+            try:
+                worker.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor parallel: rank %d did not stop; killing it", rank)
+                worker.kill()
+                worker.wait()
+        close_tensor_parallel()
+
+    # -- inside ---------------------------------------------------------------------------------
+    def _message(self, *, step: StepInputs | None = None, ping: bool = False) -> StepMessage:
+        kv = self.kv
+        return StepMessage(kv.take_calls() if kv else [], kv.swapped_ids() if kv else [],
+                           step, ping=ping, check=self.check and step is not None)
+
+    def _send(self, message: StepMessage) -> None:
+        self._raise_if_dead()
+        try:
+            broadcast_message(message)
+        except RuntimeError as exc:
+            raise self._failure(exc) from exc
+        self._last_message = time.monotonic()
+
+    def _compare_digests(self) -> None:
+        assert self.kv is not None
+        digests = gather_messages(kv_digest(self.kv)) or []
+        bad = [rank for rank, d in enumerate(digests) if d != digests[0]]
+        if bad:
+            raise KVDivergedError(f"the KV managers of ranks {bad} differ from rank 0's")
+
+    def _raise_if_dead(self) -> None:
+        dead = self._dead_workers()
+        if dead:
+            raise TensorParallelError(dead)
+
+    def _dead_workers(self) -> str:
+        return "; ".join(f"tensor-parallel rank {rank} (pid {w.pid}) exited with code "
+                         f"{w.returncode}" for rank, w in self.workers.items()
+                         if w.poll() is not None)
+
+    def _failure(self, exc: BaseException) -> TensorParallelError:
+        if isinstance(exc, TensorParallelError):
+            return exc
+        time.sleep(0.2)  # a killed worker's exit code shows a moment after its socket closed
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        dead = self._dead_workers()
+        return TensorParallelError(f"{dead}: {first}" if dead else
+                                   f"a tensor-parallel rank failed: {first}")

@@ -1,0 +1,35 @@
+"""What rank 0 sends the tensor-parallel workers, once per step (pickled over gloo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vmkv.distributed.kv_replay import KVCall
+
+#: the message that ends a worker's loop
+CLOSE = "close"
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One model step, flattened in request order (what ``ModelRunner.execute`` builds)."""
+
+    request_ids: list[str]
+    context_lens: list[int]
+    query_lens: list[int]
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """Rank 0's KV calls since the last message, then (optionally) a step to run with it.
+
+    ``ping``: join a barrier (rank 0 checks the ranks while idle); ``check``: send a digest
+    of the KV manager's state back (``VMKV_TP_CHECK=1``)."""
+
+    kv_calls: list[KVCall]
+    swapped_ids: list[str] = field(default_factory=list)
+    step: StepInputs | None = None
+    ping: bool = False
+    check: bool = False

@@ -1,0 +1,106 @@
+"""A tensor-parallel worker: ranks 1..N-1, each one process holding its shard and KV.
+
+    join the groups ─▶ receive the engine config from rank 0 ─▶ build_shard (same warm-up)
+    loop: receive StepMessage ─▶ replay the KV calls ─▶ run the step's forward (its
+          all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
+    until CLOSE, or until rank 0's connection breaks (then it exits with an error)
+
+Started by the engine (:class:`~vmkv.distributed.executor.TensorParallelExecutor`, spawn) or,
+for ranks on other machines, by ``vmkv tp-worker`` (torchrun-style ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("vmkv")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of the ``local_rank``-th rank on a machine: the CPU, or consecutive GPUs
+    from ``device``'s index."""
+    if device == "cpu":
+        return "cpu"
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + local_rank}"
+
+
+def local_worker_command(rank: int, size: int, init_method: str, device: str,
+                         timeout: float, threads: int) -> list[str]:
+    """The command line of a worker the engine starts on its own machine (a fresh
+    interpreter: nothing of the caller's ``__main__`` is re-run, unlike multiprocessing's
+    spawn)."""
+    return [sys.executable, "-m", "vmkv.distributed.worker", str(rank), str(size), init_method,
+            device, str(timeout), str(threads)]
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of a worker the engine started: it dies with the engine (SIGKILL on the
+    parent's death, Linux), uses ``threads`` CPU threads, then serves ``rank``."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: close() ends them
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    rank, size, init_method, device, timeout, threads = argv
+    import torch
+
+    torch.set_num_threads(int(threads))
+    serve_rank(int(rank), int(size), init_method, device, float(timeout))
+
+
+def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: float) -> None:
+    """Join the group as ``rank`` and serve rank 0's steps until it says CLOSE."""
+    import torch
+    import torch.distributed as dist
+
+    from vmkv.distributed.collectives import (
+        barrier,
+        broadcast_message,
+        close_tensor_parallel,
+        gather_messages,
+        init_tensor_parallel,
+    )
+    from vmkv.distributed.kv_replay import KVReplayer, kv_digest
+    from vmkv.distributed.messages import CLOSE, StepMessage
+    from vmkv.engine.shard import build_shard
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s vmkv tp rank {rank} %(levelname)s %(message)s")
+    init_tensor_parallel(rank, size, init_method, device, timeout)
+    try:
+        config = broadcast_message()
+        shard = build_shard(config, Path(config.model), rank=rank, device=device)
+        replayer = KVReplayer(shard.kv, rank)
+        barrier()  # ready: rank 0 waits for every shard before it serves
+        logger.info("serving %s, KV: %s", shard.model.config.architecture, shard.kv.describe())
+        while True:
+            message = broadcast_message()
+            if message == CLOSE:
+                break
+            assert isinstance(message, StepMessage)
+            replayer.apply(message.kv_calls, message.swapped_ids)
+            step = message.step
+            if step is not None:
+                with torch.inference_mode():
+                    meta = shard.attn.prepare(step.request_ids, step.context_lens,
+                                              step.query_lens)
+                    ids = torch.tensor(step.input_ids, dtype=torch.int64, device=device)
+                    pos = torch.tensor(step.positions, dtype=torch.int64, device=device)
+                    shard.model.forward(ids, pos, shard.attn, meta)
+            if message.ping:
+                dist.barrier()
+            if message.check:
+                gather_messages(kv_digest(shard.kv))
+        shard.kv.close()
+    finally:
+        close_tensor_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
