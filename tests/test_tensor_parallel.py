@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from model_helpers import save_random_model
@@ -18,11 +20,11 @@ from model_helpers import save_random_model
 from vmkv.config import CacheConfig, EngineConfig
 from vmkv.distributed.executor import TensorParallelError, free_port
 from vmkv.distributed.kv_replay import KVDivergedError, KVReplayer, RecordingKV, kv_digest
-from vmkv.distributed.sharding import head_slices, shard_config, shard_state
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model_config, resolve_model
 from vmkv.models.loader import hf_to_vmkv
+from vmkv.models.sharding import head_slices, shard_config, shard_state
 from vmkv.sampling_params import SamplingParams
 
 VOCAB = 49152  # the default model's tokenizer, which the random models borrow
@@ -271,3 +273,48 @@ def test_an_outside_worker_joins_through_env(gqa_model: Path,
         assert worker.wait(30) == 0
     finally:
         worker.kill()
+
+
+def test_two_ranks_serve_the_openai_client_compiled(gqa_model: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled 2-rank engine (the all-reduce as ``vmkv::all_reduce`` inside the graph)
+    behind the HTTP server: completions and streams equal the 1-rank engine's text; a worker
+    killed while idle turns /health and new requests into 503 naming the rank."""
+    import httpx
+    from serving import client_of, serve
+
+    prompt = list(range(40, 64))
+    reference = LLMEngine(_config(gqa_model, "virtual", 1))
+    try:
+        reference.add_request("ref", prompt, GREEDY)
+        while reference.has_unfinished_requests():
+            outs = reference.step()
+        expected = outs[0].outputs[0].text
+    finally:
+        reference.close()
+    monkeypatch.setenv("VMKV_COMPILE", "1")
+    config = replace(_config(gqa_model, "virtual", 2), enforce_eager=False)
+    server = serve(config)
+    running = next(server)
+    try:
+        assert running.engine.engine.compiled
+        client = client_of(running)
+        kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+                  "extra_body": {"ignore_eos": True}}
+        assert client.completions.create(**kwargs).choices[0].text == expected
+        chunks = client.completions.create(stream=True, **kwargs)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        worker = next(iter(running.engine.engine.tp.workers.values()))
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{running.url}/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 after a worker died"
+            time.sleep(0.1)
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(**kwargs)
+        assert refused.value.status_code == 503
+    finally:
+        next(server, None)
+    assert not _alive(worker.pid)

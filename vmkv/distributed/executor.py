@@ -16,6 +16,7 @@ seconds. Either way the engine gets a :class:`TensorParallelError` naming the ra
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 import subprocess
@@ -39,10 +40,10 @@ from vmkv.distributed.collectives import (
 )
 from vmkv.distributed.kv_replay import KVDivergedError, RecordingKV, kv_digest
 from vmkv.distributed.messages import CLOSE, StepInputs, StepMessage
-from vmkv.distributed.sharding import check_divisible
 from vmkv.distributed.worker import local_worker_command, rank_device
 from vmkv.kv.base import KVCacheManager
 from vmkv.models.loader import load_model_config
+from vmkv.models.sharding import check_divisible
 
 logger = logging.getLogger("vmkv")
 
@@ -93,6 +94,7 @@ class TensorParallelExecutor:
         except BaseException:
             self.close(graceful=False)
             raise
+        atexit.register(self.close)  # an engine never closed still stops its workers
         logger.info("tensor parallel: %d ranks (%d on this machine, %d CPU threads each) at %s",
                     size, local, threads, init_method)
 
@@ -137,6 +139,7 @@ class TensorParallelExecutor:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         if not graceful or self._dead_workers():  # nothing left to finish: stop them all
             for worker in self.workers.values():
                 worker.kill()

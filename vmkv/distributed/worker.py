@@ -80,7 +80,11 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         barrier()  # ready: rank 0 waits for every shard before it serves
         logger.info("serving %s, KV: %s", shard.model.config.architecture, shard.kv.describe())
         while True:
-            message = broadcast_message()
+            try:
+                message = broadcast_message()
+            except RuntimeError as exc:  # rank 0 is gone: nothing is left to serve
+                logger.error("rank 0 went away (%s); exiting", str(exc).splitlines()[0])
+                raise SystemExit(1) from None
             if message == CLOSE:
                 break
             assert isinstance(message, StepMessage)

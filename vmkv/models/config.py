@@ -117,7 +117,7 @@ class ModelConfig:
     torch_dtype: torch.dtype | None = None
     sliding_window: int | None = None
     #: ranks the decoder layers are split over; >1 makes this one rank's shard (its heads and
-    #: MLP columns, see :mod:`vmkv.distributed.sharding`), whose O and down projections are
+    #: MLP columns, see :mod:`vmkv.models.sharding`), whose O and down projections are
     #: summed over the ranks
     tensor_parallel_size: int = 1
 

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from vmkv.distributed.sharding import shard_config, shard_state
 from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
+from vmkv.models.sharding import shard_config, shard_state
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
 
     ``linear_backend`` (float32 on CPU): "auto"/"onednn" pack the linear layers for oneDNN
     (:mod:`vmkv.models.linear`), "torch" keeps ``F.linear``. ``tensor_parallel = (rank,
-    size)``: only that rank's shard (:mod:`vmkv.distributed.sharding`). Returns the model and
+    size)``: only that rank's shard (:mod:`vmkv.models.sharding`). Returns the model and
     the whole model's config (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
