@@ -7,7 +7,7 @@
                                                        # interpreter, tiny shapes)
 
 Order: the default steps s0 s1 s2 s3 s4 s6 s7 (their timeouts add up to the default budget),
-then, only with time left, s5 (benchmark CLI), s8 (pytest -m gpu, if pytest imports) and s9
+then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s8 (pytest -m gpu, if pytest imports) and s9
 (compute-sanitizer, if present). Results go to ``$OUT`` if set (the device tool brings that
 folder back), else ``benchmarks/results/gpu-check-<time>/``: one JSON per step (rewritten after
 every result), ``logs/<step>.log``, ``summary.json`` (after every step) and ``summary.txt``. A
@@ -68,6 +68,9 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
              budget_margin=15),
         Step("s5_bench_cli", script("s5_bench_cli"), 150, "vmkv bench throughput / kernels",
              optional=True, min_time=60, budget_margin=15),
+        Step("s10_tensor_parallel", script("s10_tensor_parallel"), 90,
+             "TP=2 over NCCL (>= 2 GPUs; else recorded as not exercised)", optional=True,
+             min_time=20),
         Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)
                                 else "skipped: cpu dry run" if ON_CPU else None)),
