@@ -7,14 +7,13 @@
                                                        # interpreter, tiny shapes)
 
 Order: the default steps s0 s1 s2 s3 s4 s6 s7 (their timeouts add up to the default budget),
-then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s8 (pytest -m gpu, if pytest imports) and s9
-(compute-sanitizer, if present). Results go to ``$OUT`` if set (the device tool brings that
-folder back), else ``benchmarks/results/gpu-check-<time>/``: one JSON per step (rewritten after
-every result), ``logs/<step>.log``, ``summary.json`` (after every step) and ``summary.txt``. A
-step that dies (error 700 kills the CUDA context, SIGSEGV, timeout) is reported as such and the
-next step starts in a fresh process. Nothing is installed; the source tree runs from
-``PYTHONPATH=.``, and the caller's PYTHONPATH reaches every step.
-"""
+then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s8 (pytest -m gpu, if
+pytest imports) and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set (the
+device tool brings that folder back), else ``benchmarks/results/gpu-check-<time>/``: one JSON
+per step (rewritten after every result), ``logs/<step>.log``, ``summary.json`` (after every
+step) and ``summary.txt``. A step that dies (error 700 kills the CUDA context, SIGSEGV,
+timeout) is reported as such and the next step starts in a fresh process. Nothing is installed;
+the source tree runs from ``PYTHONPATH=.``, and the caller's PYTHONPATH reaches every step."""
 
 from __future__ import annotations
 
