@@ -210,6 +210,9 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
         raise ValueError(f"repeats must be positive, got {repeats}")
     if warmup_prompts < 0:
         raise ValueError(f"warmup_prompts must be >= 0, got {warmup_prompts}")
+    if len(configs) > 1 and any(c.tensor_parallel_size > 1 for c in configs.values()):
+        raise ValueError("tensor parallelism runs one engine per process: bench one KV mode "
+                         "(--kv-mode virtual or paged) without twins per run")
     engines: dict[str, LLMEngine] = {}
     startup: dict[str, dict[str, float]] = {}
     runs: list[dict[str, Any]] = []

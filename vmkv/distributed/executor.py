@@ -73,6 +73,9 @@ class TensorParallelExecutor:
         if local > size:
             raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
         check_divisible(load_model_config(model_path), size)  # before any process starts
+        if dist.is_initialized():
+            raise ValueError("this process already runs a tensor-parallel engine (or another "
+                             "torch.distributed group): one per process; close it first")
         self.size = size
         self.check = envs.tp_check()
         self.kv: RecordingKV | None = None
