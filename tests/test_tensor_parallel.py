@@ -249,6 +249,24 @@ def test_a_killed_worker_fails_the_engine_fast_and_leaves_no_process(gqa_model: 
     assert not any(_alive(w.pid) for w in workers)
 
 
+def test_a_hung_worker_fails_the_engine_after_the_timeout(gqa_model: Path) -> None:
+    """A stopped (SIGSTOP) worker: rank 0's next all-reduce gives up after
+    ``distributed_timeout``; close() kills the worker without waiting for it."""
+    engine = LLMEngine(_config(gqa_model, "paged", 2, distributed_timeout=3))
+    worker = next(iter(engine.tp.workers.values()))
+    engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="a tensor-parallel rank failed"):
+        for _ in range(50):
+            engine.step()
+    assert 2.5 < time.monotonic() - started < 15
+    closing = time.monotonic()
+    engine.close()
+    assert time.monotonic() - closing < 5 and not _alive(worker.pid)
+
+
 def test_an_outside_worker_joins_through_env(gqa_model: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 started by hand (``vmkv tp-worker``, torchrun-style variables), as on a second

@@ -13,6 +13,7 @@ default group is. Rank 0 is the engine; ranks 1..N-1 are workers (:mod:`vmkv.dis
 from __future__ import annotations
 
 import datetime
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,32 @@ def close_tensor_parallel() -> None:
         dist.destroy_process_group()
 
 
-def broadcast_message(message: object = None) -> object:
-    """Rank 0 sends ``message`` (any picklable object) to every rank; every rank returns it."""
+def broadcast_message(message: object = None, timeout: float | None = None) -> object:
+    """Rank 0 sends ``message`` (any picklable object) to every rank; every rank returns it.
+
+    ``timeout`` (rank 0): seconds to wait for the ranks to take it (gloo hands data over only
+    to a rank that posted its receive, so a hung rank would block the sender forever);
+    RuntimeError when it passes. Workers wait for the next message without a limit.
+    """
     group = _require()
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group.control)
-    return box[0]
+    if group.rank == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.broadcast(size, src=0, group=group.control, async_op=True), timeout)
+    if group.rank != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.broadcast(data, src=0, group=group.control, async_op=True), timeout)
+    return message if group.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+def _wait(work: dist.Work | None, timeout: float | None) -> None:
+    assert work is not None
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
 
 
 def gather_messages(message: object) -> list[object] | None:

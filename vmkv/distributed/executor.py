@@ -80,6 +80,8 @@ class TensorParallelExecutor:
         self.check = envs.tp_check()
         self.kv: RecordingKV | None = None
         self.closed = False
+        self.failed = False  # a collective failed: the ranks are out of step for good
+        self.timeout = float(config.distributed_timeout)
         self._last_message = time.monotonic()
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // local)
@@ -143,12 +145,12 @@ class TensorParallelExecutor:
             return
         self.closed = True
         atexit.unregister(self.close)
-        if not graceful or self._dead_workers():  # nothing left to finish: stop them all
+        if not graceful or self.failed or self._dead_workers():  # nothing to finish: kill
             for worker in self.workers.values():
                 worker.kill()
         elif dist.is_initialized():
             try:
-                broadcast_message(CLOSE)
+                broadcast_message(CLOSE, self.timeout)
             except RuntimeError as exc:
                 logger.warning("tensor parallel: could not tell the workers to stop: %s", exc)
         deadline = time.monotonic() + JOIN_TIMEOUT
@@ -170,7 +172,7 @@ class TensorParallelExecutor:
     def _send(self, message: StepMessage) -> None:
         self._raise_if_dead()
         try:
-            broadcast_message(message)
+            broadcast_message(message, self.timeout)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
         self._last_message = time.monotonic()
@@ -185,6 +187,7 @@ class TensorParallelExecutor:
     def _raise_if_dead(self) -> None:
         dead = self._dead_workers()
         if dead:
+            self.failed = True
             raise TensorParallelError(dead)
 
     def _dead_workers(self) -> str:
@@ -193,6 +196,7 @@ class TensorParallelExecutor:
                          if w.poll() is not None)
 
     def _failure(self, exc: BaseException) -> TensorParallelError:
+        self.failed = True
         if isinstance(exc, TensorParallelError):
             return exc
         time.sleep(0.2)  # a killed worker's exit code shows a moment after its socket closed
