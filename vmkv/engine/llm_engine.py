@@ -20,6 +20,7 @@ from vmkv.attention import create_attention_backend
 from vmkv.config import EngineConfig
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.front import resolve_max_model_len, stop_token_ids
 from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
@@ -60,17 +61,18 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.monotonic()
+        if config.data_parallel_size != 1:
+            raise ValueError(f"an LLMEngine is one replica, got data_parallel_size="
+                             f"{config.data_parallel_size}; replicas are served by "
+                             "vmkv.engine.data_parallel.DataParallelEngine (vmkv serve, vmkv "
+                             "bench throughput)")
         self.config = config
         self.model_path = resolve_model(config.model)
         self.dtype = parse_dtype(config.torch_dtype_name)
         self.model, self.model_config = load_model(self.model_path, self.dtype, config.device,
                                                    linear_backend=config.linear_backend)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        limit = self.model_config.max_model_len
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"limit ({limit})")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = resolve_max_model_len(config, self.model_config.max_model_len)
         self.kv = create_kv_cache(config.cache, self.model_config.kv_spec(self.dtype),
                                   num_slots=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=config.device)
@@ -95,10 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attn, self.graphs)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        eos = list(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.eos_token_ids = stop_token_ids(self.model_config, self.tokenizer)
         # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
         self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
                                              self.eos_token_ids)
