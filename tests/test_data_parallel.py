@@ -8,7 +8,6 @@ test (a replica, then the server itself: no process may outlive it)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -20,7 +19,9 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import MODEL, Running, start
+from serving import client_of, serve
+from test_server import MODEL, Running
+from test_shutdown import stream
 
 from vmkv import LLM, SamplingParams
 from vmkv.bench.launch import LaunchedServer
@@ -30,7 +31,6 @@ from vmkv.engine.data_parallel import DataParallelEngine, replica_device
 from vmkv.engine.router import PREFIX_KEY_TOKENS, Router, prefix_key
 from vmkv.engine.snapshot import Snapshot, combine
 from vmkv.process_tuning import available_cores, replica_threads
-from vmkv.server.main import start_engine
 
 SMALL = dict(max_model_len=256, max_num_seqs=16, kv_cache_memory=64 << 20, enforce_eager=True)
 
@@ -109,24 +109,13 @@ def test_combined_snapshot_sums_counts_and_recomputes_shares() -> None:
 
 
 @pytest.fixture(scope="module")
-def dp_engine(default_model: object) -> Iterator[DataParallelEngine]:
-    engine, close = start_engine(EngineConfig(data_parallel_size=2, **SMALL))
-    assert isinstance(engine, DataParallelEngine)
-    yield engine
-    close()
-
-
-@pytest.fixture(scope="module")
-def dp_srv(dp_engine: DataParallelEngine) -> Iterator[Running]:
-    running = start(dp_engine)
-    yield running
-    running.stop()
+def dp_srv(default_model: object) -> Iterator[Running]:
+    yield from serve(EngineConfig(data_parallel_size=2, **SMALL))
 
 
 @pytest.fixture(scope="module")
 def dp_client(dp_srv: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{dp_srv.url}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return client_of(dp_srv, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +190,8 @@ def test_metrics_are_labelled_per_replica_with_their_sum(dp_srv: Running) -> Non
     assert httpx.get(f"{dp_srv.url}/health").status_code == 200
 
 
-def test_bad_input_is_refused_clearly_over_the_pipe(dp_srv: Running,
-                                                    dp_engine: DataParallelEngine) -> None:
+def test_bad_input_is_refused_clearly_over_the_pipe(dp_srv: Running) -> None:
+    dp_engine = dp_srv.engine
     r = httpx.post(f"{dp_srv.url}/v1/completions",
                    json={"model": MODEL, "prompt": [10**7], "max_tokens": 2})
     assert r.status_code == 400  # a token id outside the vocabulary
@@ -221,8 +210,9 @@ def test_bad_input_is_refused_clearly_over_the_pipe(dp_srv: Running,
     assert dp_engine.is_alive
 
 
-def test_shutdown_leaves_no_replica_process(dp_srv: Running,
-                                            dp_engine: DataParallelEngine) -> None:
+def test_shutdown_leaves_no_replica_process(dp_srv: Running) -> None:
+    dp_engine = dp_srv.engine
+    assert isinstance(dp_engine, DataParallelEngine)
     pids = [r.process.pid for r in dp_engine.replicas]
     dp_srv.stop()
     dp_engine.shutdown()  # the fixture's close() again later is a no-op
@@ -248,20 +238,6 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return alive
 
 
-async def _stream_events(client: httpx.AsyncClient, url: str, started: asyncio.Event
-                         ) -> list[dict | str]:
-    body = {"prompt": "Tell me a long story:", "max_tokens": 200, "ignore_eos": True,
-            "stream": True, "temperature": 0}
-    events: list[dict | str] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-                started.set()
-    return events
-
-
 @pytest.mark.usefixtures("default_model")
 def test_a_dead_replica_fails_the_server_fast_and_no_process_outlives_it() -> None:
     args = ["--data-parallel-size", "2", "--max-model-len", "256", "--kv-cache-memory", "64M",
@@ -277,7 +253,7 @@ def test_a_dead_replica_fails_the_server_fast_and_no_process_outlives_it() -> No
         async def main() -> tuple[list, float, httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as client:
                 flags = [asyncio.Event() for _ in range(4)]
-                tasks = [asyncio.create_task(_stream_events(client, url, f)) for f in flags]
+                tasks = [asyncio.create_task(stream(url, client, 200, f)) for f in flags]
                 await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 120)
                 os.kill(replicas[1], signal.SIGKILL)
                 killed = time.monotonic()
