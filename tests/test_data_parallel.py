@@ -238,6 +238,24 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return alive
 
 
+def _replica_children() -> set[int]:
+    """This process's children but the multiprocessing resource tracker (shared, long-lived)."""
+    return {p.pid for p in psutil.Process().children()
+            if "resource_tracker" not in " ".join(p.cmdline())}
+
+
+@pytest.mark.usefixtures("default_model")
+def test_a_replica_that_cannot_start_fails_the_constructor_and_leaves_no_process() -> None:
+    before = _replica_children()
+    with pytest.raises(ValueError, match="exceeds the model's limit"):  # found before forking
+        DataParallelEngine(EngineConfig(data_parallel_size=2, max_model_len=10**7))
+    assert _replica_children() == before
+    with pytest.raises(ValueError, match="kv_cache_memory"):  # the replicas' own error
+        DataParallelEngine(EngineConfig(data_parallel_size=2, kv_cache_memory=1,
+                                        enforce_eager=True))
+    assert _replica_children() == before  # both replicas ended and were reaped
+
+
 @pytest.mark.usefixtures("default_model")
 def test_a_dead_replica_fails_the_server_fast_and_no_process_outlives_it() -> None:
     args = ["--data-parallel-size", "2", "--max-model-len", "256", "--kv-cache-memory", "64M",

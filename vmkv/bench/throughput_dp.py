@@ -5,9 +5,10 @@ Every request is queued at once, as ``bench throughput`` does for one engine, an
 spreads them (least loaded; the prefix-sticky rule keeps a shared prefix on one replica).
 Throughput and latency come from the outputs as for one engine
 (:func:`~vmkv.bench.throughput.summarise_outputs`); preemptions and recomputed tokens are the
-replicas' summed counters before and after each run. KV memory is not sampled per step (the
-engines are in other processes): those columns stay empty. With prefix caching on, every
-replica's cache is reset before each repetition.
+replicas' summed counters before and after each run; ``router_cpu_s`` is the CPU time of this
+process (router, pipes, streams) during the run, which the replicas do not get. KV memory is
+not sampled per step (the engines are in other processes): those columns stay empty. With
+prefix caching on, every replica's cache is reset before each repetition.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ async def run_once(engine: DataParallelEngine, requests: Sequence[BenchRequest],
         bar.update(1)
         return last
 
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     streams = [await engine.add(f"{tag}-{i}", r.prompt_token_ids, params_for(r.output_len))
                for i, r in enumerate(requests)]
     outs = await asyncio.gather(*(final(s) for s in streams))
-    elapsed = time.monotonic() - start
+    elapsed, cpu = time.monotonic() - start, time.process_time() - cpu_start
     bar.close()
     after = await _counters(engine)
     result = summarise_outputs(requests, list(outs), elapsed, start)
@@ -67,7 +68,7 @@ async def run_once(engine: DataParallelEngine, requests: Sequence[BenchRequest],
         preemptions=after.preemptions - before.preemptions,
         recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
         peak_kv_bytes_in_use=None, peak_kv_bytes_held=None, mean_kv_bytes_in_use=None,
-        kv_useful_fraction=None, map_stall_s=None, wall_s=elapsed,
+        kv_useful_fraction=None, map_stall_s=None, wall_s=elapsed, router_cpu_s=cpu,
         trace={"t": [], "bytes_in_use": [], "token_bytes": []})
     return result
 

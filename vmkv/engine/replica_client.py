@@ -140,8 +140,9 @@ class ReplicaClient:
 
     def join(self, timeout: float) -> None:
         """Wait for the process (SIGTERM, then SIGKILL if it does not end), then the threads;
-        every stream still open ends with EngineDeadError."""
-        self.process.join(timeout)
+        every stream still open ends with EngineDeadError. A replica that never became ready
+        cannot read ``stop``: it is terminated at once."""
+        self.process.join(timeout if self._threads else 0)
         for kill in (self.process.terminate, self.process.kill):
             if self.process.exitcode is None:
                 kill()
