@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an :class:`~vmkv.engine.async_engine.AsyncEngine`.
+"""The OpenAI-compatible HTTP API over a :class:`~vmkv.engine.front.ServingEngine` (one
+in-process :class:`~vmkv.engine.async_engine.AsyncEngine`, or data-parallel replicas).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``.
@@ -26,7 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vmkv
 from vmkv.chat_template import NoChatTemplateError
 from vmkv.config import ServerConfig
-from vmkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from vmkv.engine.async_engine import EngineDeadError
+from vmkv.engine.front import ServingEngine
+from vmkv.engine.front import Stream as RequestStream
+from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import RequestOutput
 from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
 from vmkv.sampling_params import SamplingParams
@@ -86,17 +90,17 @@ def served_name(model: str | None) -> str:
     return DEFAULT_MODEL if is_default_name(model) else Path(model).name
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application; ``engine`` must already run. Without a
     ``config.served_model_name`` the model is served under :func:`served_name`."""
     if config.served_model_name is None:
-        config = replace(config, served_model_name=served_name(engine.engine.config.model))
+        config = replace(config, served_model_name=served_name(engine.front.config.model))
     metrics = Metrics(config.served_model_name)
     lifecycle = Lifecycle(engine, metrics)
-    llm = engine.engine
-    limits = InputLimits.for_model(llm.tokenizer, llm.max_model_len,
-                                   llm.model_config.vocab_size)
-    workers = Workers(llm.tokenizer, limits,
+    front = engine.front
+    limits = InputLimits.for_model(front.tokenizer, front.max_model_len,
+                                   front.vocab_size)
+    workers = Workers(front.tokenizer, limits,
                       max_pending=config.max_waiting_requests or MAX_PENDING)
 
     @contextlib.asynccontextmanager
@@ -130,8 +134,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "vmkv", "root": served_name(llm.config.model),  # no local paths
-            "max_model_len": llm.max_model_len,
+            "owned_by": "vmkv", "root": served_name(front.config.model),  # no local paths
+            "max_model_len": front.max_model_len,
         }]}
 
     @app.get("/metrics")
@@ -141,7 +145,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
-        dropped = await engine.call(lambda e: e.reset_prefix_cache())
+        dropped = sum(await engine.call_all(LLMEngine.reset_prefix_cache))
         return {"dropped_units": dropped}
 
     # bodies are parsed by api.parse (off the loop when large), not by FastAPI on the loop;
@@ -154,9 +158,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             ids = await api.chat_ids([m.as_dict() for m in body.messages],
                                      body.add_generation_prompt)
         else:
-            ids = await workers.run(lambda: llm.tokenizer(
+            ids = await workers.run(lambda: front.tokenizer(
                 body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
@@ -183,15 +187,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 class _Api:
     """The generation endpoints' logic, kept out of the route table."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics,
+    def __init__(self, engine: ServingEngine, config: ServerConfig, metrics: Metrics,
                  workers: Workers, lifecycle: Lifecycle) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.workers = workers
         self.lifecycle = lifecycle
-        self.llm = engine.engine
-        self.tokenizer = self.llm.tokenizer
+        self.front = engine.front
+        self.tokenizer = self.front.tokenizer
         self.token_text = R.TokenText(self.tokenizer)
 
     async def parse(self, raw: Request, model: type[M]) -> M:
@@ -341,7 +345,7 @@ class _Api:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs,
                                       prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
-                                      structured_outputs=await prepare_structure(self.llm, body))
+                                      structured_outputs=await prepare_structure(self.front, body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
@@ -427,7 +431,7 @@ class _Api:
                                   body.add_generation_prompt, plan.tools)
         params = body.sampling_params(
             body.requested_max_tokens, body.num_logprobs,
-            structured_outputs=await prepare_structure(self.llm, body, plan.structure))
+            structured_outputs=await prepare_structure(self.front, body, plan.structure))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [ids], params, body.cache_salt)
         model = self.config.served_model_name

@@ -1,17 +1,39 @@
-"""Start the server: engine thread + FastAPI app under uvicorn."""
+"""Start the server: the engine (a thread, or data-parallel replica processes) + the FastAPI
+app under uvicorn."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from vmkv.config import EngineConfig, ServerConfig
 from vmkv.engine.async_engine import AsyncEngine
+from vmkv.engine.front import ServingEngine
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.process_tuning import tune_process
 from vmkv.server.app import build_app
 from vmkv.server.shutdown import ABORT_GRACE, GracefulServer
 
 logger = logging.getLogger("vmkv.server")
+
+
+def start_engine(config: EngineConfig) -> tuple[ServingEngine, Callable[[], None]]:
+    """The serving engine ``config`` asks for, running, and the function that stops it and
+    releases its memory: one in-process engine thread, or ``data_parallel_size`` replica
+    processes (vmkv/engine/data_parallel.py)."""
+    if config.data_parallel_size > 1:
+        from vmkv.engine.data_parallel import DataParallelEngine
+
+        replicas = DataParallelEngine(config)
+        return replicas, replicas.shutdown
+    llm = LLMEngine(config)
+    engine = AsyncEngine(llm)
+
+    def close() -> None:
+        engine.shutdown()
+        llm.close()  # every page and the pool's memory back to the OS
+
+    return engine, close
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig | None = None, *,
@@ -25,9 +47,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig | None = None
 
     tune_process()
     config = server_config or ServerConfig()
-    engine = LLMEngine(engine_config)
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, config)
+    engine, close_engine = start_engine(engine_config)
+    app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d", app.state.metrics.model_name, config.host,
                 config.port)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
@@ -36,5 +57,4 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig | None = None
         GracefulServer(uv_config, app.state.lifecycle, config.shutdown_timeout).run()
     finally:
         app.state.workers.close()
-        async_engine.shutdown()
-        engine.close()  # every page and the pool's memory back to the OS
+        close_engine()

@@ -25,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from vmkv.engine.async_engine import AsyncEngine
+from vmkv.engine.front import ServingEngine
 from vmkv.server.auth import OPEN_PATHS
 from vmkv.server.errors import RETRY_AFTER, error_response
 from vmkv.server.metrics import Metrics
@@ -39,7 +39,7 @@ ABORT_GRACE = 5.0
 class Lifecycle:
     """Serving, draining or aborting; counts the work requests in flight."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: ServingEngine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.draining = False

@@ -40,10 +40,10 @@ def requested_structure(body: Any) -> StructuredOutputsParams | None:
     return found[0][1] if found else None
 
 
-async def compile_structure(llm: Any, params: StructuredOutputsParams, param: str) -> None:
+async def compile_structure(front: Any, params: StructuredOutputsParams, param: str) -> None:
     """Compile (and cache) the grammar in a worker thread; APIError(400) if it is refused."""
     try:
-        await asyncio.to_thread(llm.grammars.compile, params)
+        await asyncio.to_thread(front.grammars.compile, params)
     except ValueError as exc:
         raise APIError(400, str(exc), param) from None
 
@@ -74,7 +74,7 @@ def _build(param: str, make: Any, value: Any) -> StructuredOutputsParams:
         raise APIError(400, str(exc), param) from None
 
 
-async def prepare_structure(llm: Any, body: Any,
+async def prepare_structure(front: Any, body: Any,
                             forced: StructuredOutputsParams | None = None
                             ) -> StructuredOutputsParams | None:
     """The request's output constraint, compiled: ``forced`` (tool_choice required / named)
@@ -85,5 +85,5 @@ async def prepare_structure(llm: Any, body: Any,
                        "output; drop response_format / structured_outputs", "tool_choice")
     params = forced or requested
     if params is not None:
-        await compile_structure(llm, params, "tool_choice" if forced else "response_format")
+        await compile_structure(front, params, "tool_choice" if forced else "response_format")
     return params

@@ -9,19 +9,17 @@ import openai
 from test_server import Running, start
 
 from vmkv.config import EngineConfig
-from vmkv.engine.async_engine import AsyncEngine
-from vmkv.engine.llm_engine import LLMEngine
+from vmkv.server.main import start_engine
 
 
 def serve(config: EngineConfig, **server: object) -> Iterator[Running]:
-    """Build the engine, serve it on 127.0.0.1, and tear both down when resumed."""
-    llm = LLMEngine(config)
-    engine = AsyncEngine(llm)
+    """Build the engine (replica processes when ``config.data_parallel_size > 1``), serve it
+    on 127.0.0.1, and tear both down when resumed."""
+    engine, close = start_engine(config)
     running = start(engine, **server)
     yield running
     running.stop()
-    engine.shutdown()
-    llm.close()
+    close()
 
 
 def client_of(running: Running, timeout: float = 600) -> openai.OpenAI:

@@ -141,3 +141,22 @@ def test_bad_options_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "throughput", *TINY, "--baseline", "hf", "--dtype", "bfloat16",
                  "--no-progress"]) == 2
     assert "--baseline hf runs transformers in float32 on the CPU" in capsys.readouterr().err
+
+
+def test_data_parallel_replicas_run_the_same_workload(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    out = tmp_path / "dp.json"
+    assert main(["bench", "throughput", "--data-parallel-size", "2", *TINY, *ENGINE,
+                 "--enforce-eager", "--repeats", "1", "--warmup-prompts", "2", "--no-progress",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert run["mode"] == "virtual dp=2"
+    assert run["output_tokens"] == run["requested_output_tokens"] > 0
+    assert run["output_tokens_per_s"] > 0 and run["peak_kv_bytes_in_use"] is None
+    assert result["startup"]["virtual dp=2"]["startup_to_first_token_s"] > 0
+    assert "virtual dp=2" in capsys.readouterr().out
+    assert main(["bench", "throughput", "--data-parallel-size", "2", "--kv-mode", "both",
+                 *TINY, "--no-progress"]) == 2
+    assert "runs one engine kind" in capsys.readouterr().err

@@ -65,7 +65,7 @@ def cmd_bench_vmm(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from vmkv.bench import common, hf_baseline, plots, throughput
+    from vmkv.bench import common, hf_baseline, throughput
     from vmkv.bench.workloads import spec_from_args
 
     if args.baseline == "hf" and (args.device != "cpu" or args.dtype not in ("auto", "float32")):
@@ -73,6 +73,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
                          "--device cpu and --dtype float32 (or auto) so the ratio compares "
                          "like with like")
     requests, workload = common.workload_for_model(spec_from_args(args), args.model)
+    if args.data_parallel_size > 1:
+        return _bench_throughput_replicas(args, requests, workload)
     modes = ["virtual", "paged"] if args.kv_mode == "both" else [args.kv_mode]
     caching = [False, True] if args.compare_prefix_caching else [args.enable_prefix_caching]
     configs = {m + (throughput.PREFIX_SUFFIX if on and args.compare_prefix_caching else ""):
@@ -91,6 +93,14 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         result["hf"] = hf
         result["ratio_vs_hf"] = {m: s["output_tokens_per_s"] / hf["output_tokens_per_s"]
                                  for m, s in result["summary"].items()}
+    return _finish_throughput(args, result, workload)
+
+
+def _finish_throughput(args: argparse.Namespace, result: dict[str, object],
+                       workload: dict[str, object]) -> int:
+    """Print the start-up lines and the table of ``bench throughput``; write JSON and plot."""
+    from vmkv.bench import common, plots, throughput
+
     result = {"bench": "throughput", "options": common.options(args), "workload": workload,
               **result}
     for mode, s in result["startup"].items():
@@ -99,6 +109,22 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     common.finish(result, throughput.table_rows(result), throughput.COLUMNS, args.json,
                   plots.throughput, args.plot)
     return 0
+
+
+def _bench_throughput_replicas(args: argparse.Namespace, requests: list[object],
+                               workload: dict[str, object]) -> int:
+    """``bench throughput --data-parallel-size N`` (N > 1): replica processes, one mode."""
+    from vmkv.bench import throughput_dp
+
+    if (args.kv_mode == "both" or args.compare_prefix_caching
+            or args.compare_structured_outputs or args.baseline != "none"):
+        raise ValueError("--data-parallel-size > 1 runs one engine kind: use it without "
+                         "--kv-mode both, --compare-prefix-caching, "
+                         "--compare-structured-outputs and --baseline")
+    result = throughput_dp.run(engine_config(args), requests, repeats=args.repeats,
+                               warmup_prompts=args.warmup_prompts,
+                               progress=not args.no_progress)
+    return _finish_throughput(args, result, workload)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

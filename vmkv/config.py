@@ -173,6 +173,10 @@ class EngineConfig:
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")
     seed: int = option(0, "seed of the shared generator for unseeded sampling")
+    data_parallel_size: int = option(
+        1, "independent engine replicas, each in its own process with its own KV cache, "
+        "behind one router (least loaded, sticky by prompt prefix; docs/distributed.md); "
+        "on the CPU each gets cores // N threads", minimum=1)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -87,3 +87,18 @@ def tune_malloc() -> bool:
     return all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_TOP_PAD, TOP_PAD)))
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def replica_threads(num_replicas: int) -> int:
+    """Compute threads for each of ``num_replicas`` engine processes sharing this machine:
+    ``cores // num_replicas``, at least 1 (the replicas must not oversubscribe the cores)."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be positive, got {num_replicas}")
+    return max(1, available_cores() // num_replicas)

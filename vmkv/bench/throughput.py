@@ -139,7 +139,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
     bar.close()
     elapsed = wall - overhead
-    result = _summarise(requests, [outputs[rid] for rid in ids], elapsed, start)
+    result = summarise_outputs(requests, [outputs[rid] for rid in ids], elapsed, start)
     result.update(_kv_numbers(trace))
     result["preemptions"] = stats.num_preemptions - before[0]
     result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
@@ -150,8 +150,10 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     return result
 
 
-def _summarise(requests: Sequence[BenchRequest], outs: list[Any], elapsed: float,
-               start: float) -> dict[str, Any]:
+def summarise_outputs(requests: Sequence[BenchRequest], outs: list[Any], elapsed: float,
+                      start: float) -> dict[str, Any]:
+    """Throughput and latency of one run: ``outs[i]`` is the final output of ``requests[i]``,
+    ``start`` the run's ``time.monotonic()`` (system-wide: replica processes' times too)."""
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [o.metrics.first_token_time - start for o in outs if o.metrics.first_token_time]
@@ -281,12 +283,15 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per run, then the per-repetition ratios and HF baseline when present."""
+    def scaled(value: float | None, scale: float) -> float | str:
+        return "-" if value is None else value * scale  # None: not sampled (replicas)
+
     rows = [{
         "mode": r["mode"], "rep": r["repeat"], "req/s": r["requests_per_s"],
         "out tok/s": r["output_tokens_per_s"], "total tok/s": r["total_tokens_per_s"],
-        "peak KV MiB": r["peak_kv_bytes_in_use"] / 2**20,
-        "useful %": 100 * (r["kv_useful_fraction"] or 0), "preempt": r["preemptions"],
-        "map ms": 1e3 * r["map_stall_s"], "time s": r["elapsed_s"],
+        "peak KV MiB": scaled(r["peak_kv_bytes_in_use"], 2**-20),
+        "useful %": scaled(r["kv_useful_fraction"], 100), "preempt": r["preemptions"],
+        "map ms": scaled(r["map_stall_s"], 1e3), "time s": r["elapsed_s"],
     } for r in result["runs"]]
     for i, ratio in enumerate(result.get("ratios", [])):
         rows.append({"mode": "virtual/paged", "rep": i, "out tok/s": ratio})

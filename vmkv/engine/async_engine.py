@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
+from vmkv.engine.front import EngineFront
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import RequestOutput
 from vmkv.sampling_params import SamplingParams
@@ -37,13 +38,32 @@ class EngineOverloadedError(RuntimeError):
     """Too many requests are already waiting; this one was not queued (retry later)."""
 
 
+class _Inbox(Protocol):
+    """Where a stream sends its abort: an engine thread's inbox or a replica's pipe."""
+
+    dead: BaseException | None
+
+    def _submit(self, kind: str, payload: Any) -> None: ...
+
+
+def admit(engine: LLMEngine, request_id: str, prompt: str | list[int], params: SamplingParams,
+          cache_salt: str | None, max_waiting: int | None) -> None:
+    """Queue a request unless ``max_waiting`` sequences already wait (EngineOverloadedError);
+    ValueError for a bad request. Nothing is queued when it raises."""
+    waiting = len(engine.scheduler.waiting)
+    if max_waiting is not None and waiting >= max_waiting:
+        raise EngineOverloadedError(f"{waiting} requests are already waiting")
+    engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+
+
 class RequestStream:
     """The outputs of one submitted request, as an async iterator of cumulative outputs.
 
     ``abort()`` (also safe after the end) stops the request in the engine and frees its KV.
+    Outputs arrive from another thread through :meth:`put`.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop
+    def __init__(self, engine: _Inbox, request_id: str, loop: asyncio.AbstractEventLoop
                  ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -73,12 +93,18 @@ class RequestStream:
             self.finished = True
             self.engine._submit("abort", (self.request_id, None))
 
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver an output or the error that ends the stream (from any thread)."""
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
 
 class AsyncEngine:
     """Runs an :class:`LLMEngine` loop on a daemon thread; safe to use from one event loop."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.front = EngineFront.of(engine)
         self._inbox: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future | None]] = (
             queue.SimpleQueue())
         self._streams: dict[str, RequestStream] = {}
@@ -122,6 +148,11 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (consistent stats reads)."""
         return await self._call("call", fn)
+
+    async def call_all(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
+        """:meth:`call` as a one-replica list (the interface of
+        :class:`~vmkv.engine.front.ServingEngine`)."""
+        return [await self.call(fn)]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -176,10 +207,7 @@ class AsyncEngine:
         try:
             if kind == "add":
                 request_id, prompt, params, cache_salt, stream, max_waiting = payload
-                waiting = len(self.engine.scheduler.waiting)
-                if max_waiting is not None and waiting >= max_waiting:
-                    raise EngineOverloadedError(f"{waiting} requests are already waiting")
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                admit(self.engine, request_id, prompt, params, cache_salt, max_waiting)
                 self._streams[request_id] = stream
                 result = None
             elif kind == "abort":
@@ -214,12 +242,12 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        stream.put(out)
 
     def _fail_everything(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine loop died: {exc!r}")
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            stream.put(error)
         self._streams.clear()
         while True:
             try:

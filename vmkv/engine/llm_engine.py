@@ -20,6 +20,7 @@ from vmkv.config import EngineConfig
 from vmkv.distributed.executor import TensorParallelExecutor
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.front import stop_token_ids
 from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
@@ -59,6 +60,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.monotonic()
+        if config.data_parallel_size != 1:
+            raise ValueError(f"an LLMEngine is one replica, got data_parallel_size="
+                             f"{config.data_parallel_size}; replicas are served by "
+                             "vmkv.engine.data_parallel.DataParallelEngine (vmkv serve, vmkv "
+                             "bench throughput)")
         self.config = config
         self.model_path = resolve_model(config.model)
         # tensor parallelism: workers for ranks 1..N-1 (they build their shards meanwhile)
@@ -96,10 +102,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attn, self.graphs, self.tp)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        eos = list(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.eos_token_ids = stop_token_ids(self.model_config, self.tokenizer)
         # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
         self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
                                              self.eos_token_ids)

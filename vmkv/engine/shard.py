@@ -22,6 +22,7 @@ from vmkv import envs
 from vmkv.attention import create_attention_backend
 from vmkv.attention.base import AttentionBackend
 from vmkv.config import EngineConfig
+from vmkv.engine.front import resolve_max_model_len
 from vmkv.kv import create_kv_cache
 from vmkv.kv.base import KVCacheManager
 from vmkv.models import LlamaModel, ModelConfig, load_model, parse_dtype
@@ -55,11 +56,7 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     model, model_config = load_model(model_path, dtype, device,
                                      linear_backend=config.linear_backend,
                                      tensor_parallel=(rank, config.tensor_parallel_size))
-    limit = model_config.max_model_len
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                         f"limit ({limit})")
-    max_model_len = config.max_model_len or limit
+    max_model_len = resolve_max_model_len(config, model_config.max_model_len)
     kv = create_kv_cache(config.cache, model.config.kv_spec(dtype), num_slots=config.max_num_seqs,
                          max_model_len=max_model_len, device=device)
     attn = create_attention_backend(kv)

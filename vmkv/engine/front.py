@@ -1,0 +1,126 @@
+"""What a server needs from an engine, and the interface both engine kinds offer it.
+
+The HTTP server never reaches into :class:`~vmkv.engine.llm_engine.LLMEngine`: it reads an
+:class:`EngineFront` (tokenizer, context limit, vocabulary width, grammar compiler, config) and
+drives a :class:`ServingEngine`. Two engines provide both:
+
+    AsyncEngine          one LLMEngine on a thread of this process; front = EngineFront.of(llm)
+    DataParallelEngine   N replica processes (vmkv/engine/data_parallel.py);
+                         front = EngineFront.load(config): no weights in this process
+
+Functions handed to :meth:`ServingEngine.call_all` run in the replica that owns the engine,
+which may be another process: they must be picklable (module-level functions or methods such as
+``LLMEngine.reset_prefix_cache``, never lambdas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vmkv.config import EngineConfig
+from vmkv.sampling_params import SamplingParams
+from vmkv.structured.compiler import GrammarCompilerCache
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from vmkv.engine.llm_engine import LLMEngine
+    from vmkv.engine.outputs import RequestOutput
+    from vmkv.models.config import ModelConfig
+
+
+def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
+    """``config.max_model_len``, or the model's limit when unset; ValueError past the limit."""
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"limit ({model_limit})")
+    return config.max_model_len or model_limit
+
+
+def stop_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a sequence: the model's EOS ids, then the tokenizer's, once each."""
+    eos = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(eos))
+
+
+@dataclass(frozen=True)
+class EngineFront:
+    """The engine facts a server reads, available without the model's weights.
+
+    Attributes:
+        config: the EngineConfig the engine was built from.
+        tokenizer: the HF tokenizer (requests are tokenised at the edge).
+        max_model_len: longest prompt + output.
+        vocab_size: width of the model's logits (token ids must be below it).
+        grammars: xgrammar compiler and cache, to refuse a bad schema before queueing.
+    """
+
+    config: EngineConfig
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    grammars: GrammarCompilerCache
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFront:
+        """The front of an engine of this process (sharing its tokenizer and grammar cache)."""
+        return cls(engine.config, engine.tokenizer, engine.max_model_len,
+                   engine.model_config.vocab_size, engine.grammars)
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> EngineFront:
+        """The front an engine built from ``config`` would have, reading only the model's
+        config and tokenizer (ValueError as the engine would raise for a bad model or
+        ``max_model_len``)."""
+        from vmkv.models import load_model_config, load_tokenizer, resolve_model
+
+        path = resolve_model(config.model)
+        model_config = load_model_config(path)
+        tokenizer = load_tokenizer(config.tokenizer or path)
+        return cls(config, tokenizer, resolve_max_model_len(config, model_config.max_model_len),
+                   model_config.vocab_size,
+                   GrammarCompilerCache(tokenizer, model_config.vocab_size,
+                                        stop_token_ids(model_config, tokenizer)))
+
+
+class Stream(Protocol):
+    """One submitted request: async-iterates its cumulative outputs; ``abort()`` stops it."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None: ...
+
+
+class ServingEngine(Protocol):
+    """The asyncio interface the server drives (``AsyncEngine``, ``DataParallelEngine``).
+
+    ``add`` raises ValueError (bad request), EngineOverloadedError (``max_waiting`` sequences
+    already wait; per replica) or EngineDeadError; a dead engine has ``is_alive`` False and
+    ``dead`` says why (for a replica set: which replica).
+    """
+
+    front: EngineFront
+    dead: BaseException | None
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  cache_salt: str | None = None, *, max_waiting: int | None = None
+                  ) -> Stream: ...
+
+    async def abort(self, request_id: str, reason: str | None = None) -> None: ...
+
+    async def abort_all(self, reason: str | None = None) -> int: ...
+
+    async def call_all(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
+        """``fn(engine)`` on every replica between steps; one result per replica, in order."""
+        ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
