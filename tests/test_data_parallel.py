@@ -26,8 +26,9 @@ from test_shutdown import stream
 from vmkv import LLM, SamplingParams
 from vmkv.bench.launch import LaunchedServer
 from vmkv.config import EngineConfig
+from vmkv.distributed.worker import rank_device
 from vmkv.engine.async_engine import EngineDeadError
-from vmkv.engine.data_parallel import DataParallelEngine, replica_device
+from vmkv.engine.data_parallel import DataParallelEngine
 from vmkv.engine.router import PREFIX_KEY_TOKENS, Router, prefix_key
 from vmkv.engine.snapshot import Snapshot, combine
 from vmkv.process_tuning import available_cores, replica_threads
@@ -83,9 +84,11 @@ def test_router_refuses_bad_arguments() -> None:
 
 
 def test_replica_placement_and_threads() -> None:
-    assert [replica_device("cpu", i) for i in range(2)] == ["cpu", "cpu"]
-    assert [replica_device("cuda", i) for i in range(2)] == ["cuda:0", "cuda:1"]
-    assert replica_device("cuda:2", 1) == "cuda:3"
+    """Replica i (and its tensor-parallel ranks) start at GPU i * tensor_parallel_size."""
+    assert [rank_device("cpu", i) for i in range(2)] == ["cpu", "cpu"]
+    assert [rank_device("cuda", i) for i in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:2", 1) == "cuda:3"
+    assert rank_device("cuda", 1 * 2) == "cuda:2"  # replica 1 of tensor_parallel_size 2
     assert replica_threads(1) == available_cores()
     assert replica_threads(available_cores() * 4) == 1
 

@@ -140,6 +140,37 @@ def test_replayed_calls_keep_every_manager_identical(kv_mode: str) -> None:
     follower.close()
 
 
+def test_token_ids_travel_as_deltas() -> None:
+    """A sequence's growing token list is sent once, then only its new tokens; a freed
+    request (or another list under the same id) starts over."""
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16)
+    config = CacheConfig(kv_mode="paged", kv_cache_memory=64 * 16 * spec.bytes_per_token,
+                         block_size=16, enable_prefix_caching=True)
+    leader = RecordingKV(create_kv_cache(config, spec, num_slots=4, max_model_len=256))
+    follower = create_kv_cache(config, spec, num_slots=4, max_model_len=256)
+    replayer = KVReplayer(follower, rank=1)
+    tokens = list(range(100, 141))
+    assert leader.match_prefix("a", tokens, None) == 0
+    assert leader.allocate("a", 41)
+    leader.cache_computed("a", tokens, 41, None)
+    tokens.extend(range(300, 320))
+    assert leader.allocate("a", 20)
+    leader.cache_computed("a", tokens, 61, None)
+    calls = leader.take_calls()
+    deltas = [c.args[1] for c in calls if c.name in ("match_prefix", "cache_computed")]
+    assert [(d.start, len(d.tokens)) for d in deltas] == [(0, 41), (41, 0), (41, 20)]
+    replayer.apply(calls, [])
+    assert replayer.tokens["a"] == tokens and kv_digest(leader) == kv_digest(follower)
+    leader.free("a")
+    assert leader.match_prefix("a", list(tokens), None) == 48  # 3 cached blocks
+    calls = leader.take_calls()
+    assert calls[-1].args[1].start == 0
+    replayer.apply(calls, [])
+    assert kv_digest(leader) == kv_digest(follower)
+    leader.close()
+    follower.close()
+
+
 # -- whole engines -------------------------------------------------------------------------------
 def _config(model: Path, kv_mode: str, tp: int, *, tokens: int = 2048,
             **kw: object) -> EngineConfig:

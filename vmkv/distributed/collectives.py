@@ -2,8 +2,10 @@
 
     init_tensor_parallel(rank, size, init_method, device, timeout)
         compute group: the default group, gloo on CPU / NCCL on CUDA, ``timeout`` per collective
-        control group: gloo, for step messages from rank 0 (no timeout: workers wait idle)
-    all_reduce(x)   sum over the ranks; ``vmkv::all_reduce`` under torch.compile (opaque)
+        control group: gloo, for step messages from rank 0 (workers wait idle without a
+                       limit; rank 0 waits at most its timeout for them)
+    all_reduce(x)   sum over the ranks; ``vmkv::all_reduce`` under torch.compile (opaque);
+                    skipped inside ``local_only()`` (warm-up)
     close_tensor_parallel()
 
 One tensor-parallel engine per process: its groups are process state, as torch.distributed's
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,7 @@ class TensorParallelGroup:
 
 
 _group: TensorParallelGroup | None = None
+_local = False  # inside local_only(): collectives skipped
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
@@ -46,6 +52,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
         raise RuntimeError("this process already belongs to a torch.distributed group: one "
                            "tensor-parallel engine per process")
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL, Triton and graphs use the current device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -86,12 +94,32 @@ def broadcast_message(message: object = None, timeout: float | None = None) -> o
     return message if group.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
-def _wait(work: dist.Work | None, timeout: float | None) -> None:
+def agree_min(value: int, timeout: float | None = None,
+              alive: Callable[[], None] | None = None) -> int:
+    """The smallest ``value`` over the ranks (a barrier too). ``timeout``: seconds to wait,
+    calling ``alive()`` (which raises when a rank is known dead) while waiting."""
+    box = torch.tensor([value], dtype=torch.int64)
+    _wait(dist.all_reduce(box, op=dist.ReduceOp.MIN, group=_require().control, async_op=True),
+          timeout, alive)
+    return int(box.item())
+
+
+def _wait(work: dist.Work | None, timeout: float | None,
+          alive: Callable[[], None] | None = None) -> None:
     assert work is not None
     if timeout is None:
         work.wait()
-    else:
+        return
+    if alive is None:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
+        return
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a rank did not answer within {timeout:.0f} s")
+        time.sleep(0.05)
+    work.wait()
 
 
 def gather_messages(message: object) -> list[object] | None:
@@ -102,10 +130,23 @@ def gather_messages(message: object) -> list[object] | None:
     return box
 
 
-def barrier() -> None:
-    """Wait until every rank got here (on the control group: no timeout, but a rank that dies
-    breaks it at once)."""
-    dist.barrier(group=_require().control)
+def barrier(timeout: float | None) -> None:
+    """Every rank meets here (on the control group): rank 0 waits at most ``timeout`` seconds
+    (RuntimeError then), its check that the ranks still answer; workers wait (None)."""
+    _wait(dist.barrier(group=_require().control, async_op=True), timeout)
+
+
+@contextmanager
+def local_only() -> Iterator[None]:
+    """Inside, :func:`all_reduce` returns its input: every rank's warm-up forward (compiling
+    or eager, whatever each rank decided) makes no collective, so no rank can be left waiting
+    for another's."""
+    global _local
+    _local, outer = True, _local
+    try:
+        yield
+    finally:
+        _local = outer
 
 
 def _require() -> TensorParallelGroup:
@@ -115,7 +156,8 @@ def _require() -> TensorParallelGroup:
 
 
 def _all_reduce_eager(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
+    if not _local:
+        dist.all_reduce(x)
     return x
 
 

@@ -38,7 +38,12 @@ from vmkv.distributed.collectives import (
     gather_messages,
     init_tensor_parallel,
 )
-from vmkv.distributed.kv_replay import KVDivergedError, RecordingKV, kv_digest
+from vmkv.distributed.kv_replay import (
+    KVDivergedError,
+    RecordingKV,
+    agree_vma_budget,
+    kv_digest,
+)
 from vmkv.distributed.messages import CLOSE, StepInputs, StepMessage
 from vmkv.distributed.worker import local_worker_command, rank_device
 from vmkv.kv.base import KVCacheManager
@@ -51,6 +56,9 @@ logger = logging.getLogger("vmkv")
 PING_INTERVAL = 5.0
 #: how long close() waits for a worker to exit before killing it
 JOIN_TIMEOUT = 10.0
+#: how long the ranks may take to load and warm up their shards (compiling included)
+STARTUP_TIMEOUT = 900.0
+
 
 
 class TensorParallelError(RuntimeError):
@@ -82,20 +90,23 @@ class TensorParallelExecutor:
         self.closed = False
         self.failed = False  # a collective failed: the ranks are out of step for good
         self.timeout = float(config.distributed_timeout)
+        self._threads_before = torch.get_num_threads()  # restored by close()
         self._last_message = time.monotonic()
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // local)
         self.workers: dict[int, subprocess.Popen] = {}  # rank -> process
         try:
             for rank in range(1, local):
+                # its own session: a Ctrl-C or SIGTERM to the server's process group must not
+                # kill the ranks under a graceful drain (close() ends them)
                 self.workers[rank] = subprocess.Popen(local_worker_command(
                     rank, size, init_method, rank_device(config.device, rank),
-                    config.distributed_timeout, threads))
+                    config.distributed_timeout, threads), start_new_session=True)
             if config.device == "cpu":
                 torch.set_num_threads(threads)
             init_tensor_parallel(0, size, init_method, rank_device(config.device, 0),
                                  config.distributed_timeout)
-            broadcast_message(replace(config, model=str(model_path)))
+            broadcast_message(replace(config, model=str(model_path)), STARTUP_TIMEOUT)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -103,10 +114,13 @@ class TensorParallelExecutor:
         logger.info("tensor parallel: %d ranks (%d on this machine, %d CPU threads each) at %s",
                     size, local, threads, init_method)
 
-    def wait_ready(self) -> None:
-        """Wait until every worker has built its shard (warm-up included)."""
+    def wait_ready(self, kv: KVCacheManager) -> None:
+        """Wait until every rank has built its shard (warm-up included), at most
+        STARTUP_TIMEOUT seconds, failing as soon as a local worker dies; the ranks' KV managers
+        then share the smallest VMA budget (a per-process quantity that would otherwise let
+        the same call succeed on one rank and fail on another)."""
         try:
-            barrier()
+            agree_vma_budget(kv, STARTUP_TIMEOUT, self._raise_if_dead)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
@@ -125,6 +139,9 @@ class TensorParallelExecutor:
                 self._compare_digests()
         except (RuntimeError, KVDivergedError) as exc:
             raise self._failure(exc) from exc
+        except BaseException:  # the workers may wait in a collective that will never come
+            self.failed = True
+            raise
 
     def check_health(self) -> None:
         """Raise TensorParallelError if a local worker died; every PING_INTERVAL seconds, also
@@ -134,7 +151,7 @@ class TensorParallelExecutor:
             return
         self._send(self._message(ping=True))
         try:
-            dist.barrier()
+            barrier(self.timeout)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
@@ -162,6 +179,7 @@ class TensorParallelExecutor:
                 worker.kill()
                 worker.wait()
         close_tensor_parallel()
+        torch.set_num_threads(self._threads_before)
 
     # -- inside ---------------------------------------------------------------------------------
     def _message(self, *, step: StepInputs | None = None, ping: bool = False) -> StepMessage:
@@ -170,6 +188,9 @@ class TensorParallelExecutor:
                            step, ping=ping, check=self.check and step is not None)
 
     def _send(self, message: StepMessage) -> None:
+        if self.failed:
+            raise TensorParallelError("the tensor-parallel ranks failed earlier; the engine "
+                                      "cannot step any more")
         self._raise_if_dead()
         try:
             broadcast_message(message, self.timeout)

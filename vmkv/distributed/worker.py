@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def local_worker_command(rank: int, size: int, init_method: str, device: str,
     interpreter: nothing of the caller's ``__main__`` is re-run, unlike multiprocessing's
     spawn)."""
     return [sys.executable, "-m", "vmkv.distributed.worker", str(rank), str(size), init_method,
-            device, str(timeout), str(threads)]
+            device, str(timeout), str(threads), str(os.getpid())]
 
 
 def main(argv: list[str]) -> None:
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> None:
     parent's death, Linux), uses ``threads`` CPU threads, then serves ``rank``."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: close() ends them
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    rank, size, init_method, device, timeout, threads = argv
+    rank, size, init_method, device, timeout, threads, parent = argv
+    if os.getppid() != int(parent):  # the engine died before the prctl took effect
+        raise SystemExit(1)
     import torch
 
     torch.set_num_threads(int(threads))
@@ -57,7 +60,6 @@ def main(argv: list[str]) -> None:
 def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: float) -> None:
     """Join the group as ``rank`` and serve rank 0's steps until it says CLOSE."""
     import torch
-    import torch.distributed as dist
 
     from vmkv.distributed.collectives import (
         barrier,
@@ -66,7 +68,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         gather_messages,
         init_tensor_parallel,
     )
-    from vmkv.distributed.kv_replay import KVReplayer, kv_digest
+    from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
     from vmkv.distributed.messages import CLOSE, StepMessage
     from vmkv.engine.shard import build_shard
 
@@ -77,7 +79,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         config = broadcast_message()
         shard = build_shard(config, Path(config.model), rank=rank, device=device)
         replayer = KVReplayer(shard.kv, rank)
-        barrier()  # ready: rank 0 waits for every shard before it serves
+        agree_vma_budget(shard.kv)  # ready: rank 0 waits for every shard
         logger.info("serving %s, KV: %s", shard.model.config.architecture, shard.kv.describe())
         while True:
             try:
@@ -98,7 +100,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
                     pos = torch.tensor(step.positions, dtype=torch.int64, device=device)
                     shard.model.forward(ids, pos, shard.attn, meta)
             if message.ping:
-                dist.barrier()
+                barrier(None)
             if message.check:
                 gather_messages(kv_digest(shard.kv))
         shard.kv.close()

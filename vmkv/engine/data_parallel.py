@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import Any
 
 from vmkv.config import EngineConfig
+from vmkv.distributed.worker import rank_device
 from vmkv.engine.async_engine import EngineDeadError, RequestStream
 from vmkv.engine.front import EngineFront
 from vmkv.engine.llm_engine import LLMEngine
@@ -54,18 +55,15 @@ logger = logging.getLogger("vmkv")
 START_TIMEOUT = 900.0
 
 
-def replica_device(device: str, index: int) -> str:
-    """Replica ``index``'s device: the CPU for all, or the index-th GPU from the given one."""
-    if device == "cpu":
-        return device
-    first = int(device.partition(":")[2] or 0)
-    return f"cuda:{first + index}"
-
-
 class DataParallelEngine:
     """``config.data_parallel_size`` engine processes behind one router (see the module)."""
 
     def __init__(self, config: EngineConfig, *, start_timeout: float = START_TIMEOUT) -> None:
+        if config.tensor_parallel_size > 1 and (config.distributed_init_method
+                                                 or config.tp_local_ranks):
+            raise ValueError("data-parallel replicas start their tensor-parallel ranks on this "
+                             "machine, each at its own free port: distributed_init_method and "
+                             "tp_local_ranks apply to one engine only")
         self.front = EngineFront.load(config)  # bad models and lengths fail here, before forks
         self.num_replicas = config.data_parallel_size
         self.router = Router(self.num_replicas)
@@ -79,8 +77,10 @@ class DataParallelEngine:
         atexit.register(self.shutdown)
         try:
             for i in range(self.num_replicas):
-                replica_config = replace(config, data_parallel_size=1,
-                                         device=replica_device(config.device, i))
+                # a tensor-parallel replica's ranks take the next GPUs: replica i starts at
+                # GPU i * tensor_parallel_size (from the one --device names)
+                replica_config = replace(config, data_parallel_size=1, device=rank_device(
+                    config.device, i * config.tensor_parallel_size))
                 parent_end, child_end = context.Pipe()
                 process = context.Process(
                     target=run_replica, name=f"vmkv-replica-{i}",

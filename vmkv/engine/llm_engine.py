@@ -67,6 +67,7 @@ class LLMEngine:
                              "bench throughput)")
         self.config = config
         self.model_path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)  # before any rank
         # tensor parallelism: workers for ranks 1..N-1 (they build their shards meanwhile)
         self.tp: TensorParallelExecutor | None = None
         if config.tensor_parallel_size > 1:
@@ -74,7 +75,7 @@ class LLMEngine:
         try:
             shard = build_shard(config, self.model_path)
             if self.tp is not None:
-                self.tp.wait_ready()
+                self.tp.wait_ready(shard.kv)
         except BaseException:
             if self.tp is not None:
                 self.tp.close(graceful=False)
@@ -85,7 +86,6 @@ class LLMEngine:
         # the scheduler's and the engine's KV calls reach every rank through the recorder
         self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
         self.dtype = self.model.dtype
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
         # VMKV_BACKGROUND_MAPPER=0, and under tensor parallelism); the KV manager waits for it
         self.mapper: BackgroundMapper | None = None

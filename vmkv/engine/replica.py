@@ -112,6 +112,8 @@ class ReplicaLoop:
                 outputs = self.engine.step()
                 if outputs:
                     self.conn.send(("outputs", None, outputs))
+            else:  # idle: a dead tensor-parallel rank of this replica fails it now
+                self.engine.check_health()
 
     def _drain(self, timeout: float) -> bool:
         """Handle every waiting command; False once told to stop."""

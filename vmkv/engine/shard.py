@@ -22,6 +22,7 @@ from vmkv import envs
 from vmkv.attention import create_attention_backend
 from vmkv.attention.base import AttentionBackend
 from vmkv.config import EngineConfig
+from vmkv.distributed.collectives import local_only
 from vmkv.engine.front import resolve_max_model_len
 from vmkv.kv import create_kv_cache
 from vmkv.kv.base import KVCacheManager
@@ -62,8 +63,10 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     attn = create_attention_backend(kv)
     # CPU: the decoder layers compiled with TorchInductor (off: --enforce-eager or
     # VMKV_COMPILE=0; without a compiler or on a failure: eager, logged)
-    compiled = (device == "cpu" and not config.enforce_eager and envs.compile_enabled()
-                and try_compile(model, partial(warm_up_step, model, kv, attn)))
+    # warm-up without collectives: each rank compiles (or not, or fails) on its own
+    with local_only():
+        compiled = (device == "cpu" and not config.enforce_eager and envs.compile_enabled()
+                    and try_compile(model, partial(warm_up_step, model, kv, attn)))
     return EngineShard(model, model_config, max_model_len, kv, attn, compiled)
 
 

@@ -180,6 +180,16 @@ class KVCacheManager(ABC):
         pages, time); empty where no pages are mapped at run time (paged mode)."""
         return {}
 
+    @property
+    def vma_budget(self) -> int | None:
+        """Most VMAs the mappings may take (virtual mode on the host: the process's share of
+        ``vm.max_map_count``); None where there is no such limit."""
+        return None
+
+    def limit_vma_budget(self, budget: int) -> None:
+        """Lower :attr:`vma_budget` to ``budget`` (tensor-parallel ranks agree on the smallest,
+        so that the same calls get the same answers on every rank); no-op without a budget."""
+
     # -- background pre-mapping (virtual mode on CUDA; see vmkv.memory.mapper) ----------------
     def start_background_mapper(self) -> BackgroundMapper | None:
         """Start a mapper thread that pre-maps pages while the device computes, attached to

@@ -180,6 +180,14 @@ class VirtualKVCache(KVCacheManager):
             return 0  # checked first, so the growth never rolls back (unmaps) on this thread
         return grow if self._grow(slot, grow) else 0
 
+    @property
+    def vma_budget(self) -> int | None:
+        return self.pool.max_vmas
+
+    def limit_vma_budget(self, budget: int) -> None:
+        if self.pool.max_vmas is not None:
+            self.pool.max_vmas = min(self.pool.max_vmas, budget)
+
     # -- addressing ---------------------------------------------------------------------------
     def slot(self, request_id: str) -> int:
         return self.slots.slot_of[request_id]
