@@ -207,6 +207,7 @@ def _run(engine, params, faults: list[tuple[int, str, str]]) -> dict[str, object
     finished: dict[str, object] = {}
     step = 0
     while engine.has_unfinished_requests():
+        assert step < 1000, f"requests never finish (lost?): {sorted(engine.requests)}"
         for at, op, error in faults:
             if at == step:
                 engine.kv.backend.faults.arm(op, error)
@@ -267,4 +268,34 @@ def test_a_refused_fork_fails_the_request_not_the_engine() -> None:
                                          for c in outs["forked"].outputs)
     assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 4
     assert engine.kv.usage.bytes_in_use == 0
+    engine.close()
+
+
+@pytest.mark.usefixtures("default_model")
+def test_a_refused_swap_out_fails_the_victim_and_loses_no_request() -> None:
+    """Swap preemption whose copy-out the memory layer refuses (possible on a GPU: pinned host
+    memory, an unmap; the host backend never refuses it, so the refusal is injected into the
+    real manager's call): the victim finishes with an error, nothing is lost or leaked."""
+    from vmkv import SamplingParams
+    from vmkv.config import EngineConfig
+    from vmkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(max_model_len=96, max_num_seqs=6, kv_cache_memory=6 << 20,
+                                    max_idle_memory=0, enable_prefix_caching=False,
+                                    preemption_mode="swap"))
+    real_swap_out, refused = engine.kv.swap_out, []
+
+    def swap_out_refused_once(request_id: str):  # noqa: ANN202
+        if not refused:
+            refused.append(request_id)
+            raise VmmError("cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE (injected)")
+        return real_swap_out(request_id)
+
+    engine.kv.swap_out = swap_out_refused_once
+    faulty = _run(engine, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), [])
+    victim = refused[0].split(":")[0]  # a sequence id is "<request id>:<sample>"
+    assert refused and set(faulty) == {f"r{i}" for i in range(len(PROMPTS))}
+    assert faulty[victim].error and "KV cache memory error" in faulty[victim].error
+    assert all(out.error is None for rid, out in faulty.items() if rid != victim)
+    assert engine.kv.usage.bytes_in_use == 0 and not engine.requests
     engine.close()

@@ -243,8 +243,12 @@ class Scheduler:
                 self._out_of_capacity(seq, out)
                 return False
             self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
+            try:
+                self._preempt(victim)
+            except VmmError as exc:  # its KV could not be saved: the victim fails, alone
+                self._fail(victim, exc, out)
+            else:
+                out.preempted.append(victim)
             if victim is seq:
                 return False
         return True
