@@ -10,9 +10,11 @@
 //
 // Built by vmkv/kernels/cpu_attention.py with g++ -O3 -march=native -fopenmp into a cached shared
 // library and called through ctypes: no torch headers, so it compiles in about a second. Where
-// the CPU has AVX-512 the inner loops are intrinsics (scores as one FMA chain per row, the
-// tile's exponentials 16 lanes at a time, accumulators held in registers across a tile: the
-// compiler kept them in memory and the exponentials scalar); elsewhere portable loops.
+// the CPU has AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) the inner loops are intrinsics,
+// written once over the small vector layer below (scores as one FMA chain per row, the tile's
+// exponentials a vector at a time, accumulators held in registers across a tile: the compiler
+// kept them in memory and the exponentials scalar); elsewhere portable loops. Without these
+// intrinsics the decode kernel ran 9x slower on an AVX2 machine (15.8 vs 1.8 ms per layer).
 
 #include <cmath>
 #include <cstdint>
@@ -20,11 +22,70 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define VMKV_VECTOR 1
 #endif
 
 namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vfloor(vfloat x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23));
+}
+inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
+inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << live) - 1u), x);
+}
+#elif defined(VMKV_VECTOR)
+constexpr int64_t kLanes = 8;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vfloor(vfloat x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23));
+}
+inline float vsum(vfloat x) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), lane);
+  return _mm256_and_ps(x, _mm256_castsi256_ps(keep));
+}
+#endif
 
 template <bool PAGED>
 inline int64_t row_of(int64_t b, int64_t t, const int64_t* starts, const int32_t* table,
@@ -64,23 +125,20 @@ inline float exp_nonpositive(float x) {
   return p * two_i;
 }
 
-#if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes (same polynomial).
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
-                                 _mm512_set1_ps(1.4426950408889634f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(2.1683431e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2437946e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6799853e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5482150e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023031e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314691e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+#if defined(VMKV_VECTOR)
+// exp_nonpositive on kLanes lanes (same polynomial).
+inline vfloat exp_nonpositive_v(vfloat x) {
+  const vfloat t = vmul(vmax(x, vset1(-87.0f)), vset1(1.4426950408889634f));
+  const vfloat i = vfloor(t);
+  const vfloat f = vsub(t, i);
+  vfloat p = vset1(2.1683431e-4f);
+  p = vfmadd(p, f, vset1(1.2437946e-3f));
+  p = vfmadd(p, f, vset1(9.6799853e-3f));
+  p = vfmadd(p, f, vset1(5.5482150e-2f));
+  p = vfmadd(p, f, vset1(2.4023031e-1f));
+  p = vfmadd(p, f, vset1(6.9314691e-1f));
+  p = vfmadd(p, f, vset1(1.0f));
+  return vmul(p, vpow2(i));
 }
 #endif
 
@@ -94,18 +152,16 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
   const float m_new = std::max(m, tile_max);
   const float rescale = std::exp(m - m_new);  // exp(-inf) = 0 on the first tile
   float tile_sum = 0.0f;
-#if defined(__AVX512F__)
-  static_assert(kTile % 16 == 0, "tiles are whole 16-lane vectors");
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < kTile; j0 += 16) {
-    const int64_t live = std::clamp<int64_t>(visible - j0, 0, 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(pr + j0), _mm512_set1_ps(m_new));
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive16(x));
-    _mm512_storeu_ps(pr + j0, e);
-    sums = _mm512_add_ps(sums, e);
+#if defined(VMKV_VECTOR)
+  static_assert(kTile % kLanes == 0, "tiles are whole vectors");
+  vfloat sums = vzero();
+  for (int64_t j0 = 0; j0 < kTile; j0 += kLanes) {
+    const int64_t live = std::clamp<int64_t>(visible - j0, 0, kLanes);
+    const vfloat e = vfirst(exp_nonpositive_v(vsub(vload(pr + j0), vset1(m_new))), live);
+    vstore(pr + j0, e);
+    sums = vadd(sums, e);
   }
-  tile_sum = _mm512_reduce_add_ps(sums);
+  tile_sum = vsum(sums);
 #else
 #pragma omp simd reduction(+ : tile_sum)
   for (int64_t j = 0; j < kTile; ++j) {
@@ -124,17 +180,15 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
 // Scores of a tile: p[r * kTile + j] = q_r . k_j for the group's rows r and tokens j < n.
 inline void tile_scores(const float* qs, int64_t group, int64_t dim, const float* const* krow,
                         int64_t n, float* p) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {  // one 16-lane FMA chain per (row, token), one reduction at the end
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {  // one FMA chain per (row, token), one reduction at the end
     for (int64_t j = 0; j < n; ++j) {
       const float* kr = krow[j];
       for (int64_t r = 0; r < group; ++r) {
         const float* qr = qs + r * dim;
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
-        for (int64_t d = 16; d < dim; d += 16) {
-          s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), s);
-        }
-        p[r * kTile + j] = _mm512_reduce_add_ps(s);
+        vfloat s = vmul(vload(qr), vload(kr));
+        for (int64_t d = kLanes; d < dim; d += kLanes) s = vfmadd(vload(qr + d), vload(kr + d), s);
+        p[r * kTile + j] = vsum(s);
       }
     }
     return;
@@ -154,17 +208,29 @@ inline void tile_scores(const float* qs, int64_t group, int64_t dim, const float
 // acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n.
 inline void tile_values(const float* p, int64_t group, int64_t dim, const float* const* vrow,
                         int64_t n, float* acc) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {  // each 16-lane piece of acc stays in a register across the tile
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {  // pieces of acc stay in registers across the tile, 4 chains at once
+    constexpr int64_t kChains = 4;
     for (int64_t r = 0; r < group; ++r) {
       const float* pr = p + r * kTile;
-      for (int64_t d = 0; d < dim; d += 16) {
+      int64_t d = 0;
+      for (; d + kChains * kLanes <= dim; d += kChains * kLanes) {
         float* a = acc + r * dim + d;
-        __m512 av = _mm512_loadu_ps(a);
+        vfloat av[kChains];
+        for (int64_t c = 0; c < kChains; ++c) av[c] = vload(a + c * kLanes);
         for (int64_t j = 0; j < n; ++j) {
-          av = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vrow[j] + d), av);
+          const vfloat pj = vset1(pr[j]);
+          for (int64_t c = 0; c < kChains; ++c) {
+            av[c] = vfmadd(pj, vload(vrow[j] + d + c * kLanes), av[c]);
+          }
         }
-        _mm512_storeu_ps(a, av);
+        for (int64_t c = 0; c < kChains; ++c) vstore(a + c * kLanes, av[c]);
+      }
+      for (; d < dim; d += kLanes) {
+        float* a = acc + r * dim + d;
+        vfloat av = vload(a);
+        for (int64_t j = 0; j < n; ++j) av = vfmadd(vset1(pr[j]), vload(vrow[j] + d), av);
+        vstore(a, av);
       }
     }
     return;
@@ -188,22 +254,30 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
             float scale, float* out, int64_t out_stride_b, int64_t out_stride_h) {
   const int64_t group = heads / kv_heads;
   const int64_t head_bytes = dim * 4;
+  // A task is a request's KV heads [kvh0, kvh0 + span): all of them (each token's K and V rows
+  // of every head are read together, one stream per request) unless there are too few requests
+  // to keep the threads busy; then one head each. Each head's arithmetic is the same either way.
+#if defined(_OPENMP)
+  const int64_t threads = omp_get_max_threads();
+#else
+  const int64_t threads = 1;
+#endif
+  const int64_t span = batch >= 4 * threads ? kv_heads : 1;
+  const int64_t splits = kv_heads / span;
 #pragma omp parallel
   {
-    std::vector<float> qs(static_cast<size_t>(group * dim));     // [group, dim], scaled
-    std::vector<float> acc(static_cast<size_t>(group * dim));    // [group, dim]
+    std::vector<float> qs(static_cast<size_t>(heads * dim));     // [heads, dim], scaled
+    std::vector<float> acc(static_cast<size_t>(heads * dim));    // [heads, dim]
     std::vector<float> p(static_cast<size_t>(group * kTile));    // [group, tile]
-    std::vector<float> m(static_cast<size_t>(group)), sum(static_cast<size_t>(group));
+    std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
+    std::vector<int64_t> rows(static_cast<size_t>(kTile));
     std::vector<const float*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
-    // One task per (request, KV head): the group's query heads share every K and V row read.
-    // Tokens go in tiles (online softmax): a tile's K rows, then the same tokens' V rows while
-    // their pages are still in the TLB; the tile's exponentials are one vector loop.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * kv_heads; ++task) {
-      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+    for (int64_t task = 0; task < batch * splits; ++task) {
+      const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
       const int64_t len = seq_lens[b];
-      for (int64_t r = 0; r < group; ++r) {
-        const float* src = q + b * q_stride_b + (kvh * group + r) * q_stride_h;
+      for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
+        const float* src = q + b * q_stride_b + r * q_stride_h;
         float* dst = qs.data() + r * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
@@ -211,23 +285,36 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(sum.begin(), sum.end(), 0.0f);
+      // Tokens go in tiles (online softmax): per head, a tile's K rows, then the same tokens'
+      // V rows; the tile's exponentials are vector loops; the next tile's rows are prefetched.
       for (int64_t t0 = 0; t0 < len; t0 += kTile) {
         const int64_t n = len - t0 < kTile ? len - t0 : kTile;
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t row = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
-          krow[j] = k + row * stride_row + kvh * stride_head;
-          vrow[j] = v + row * stride_row + kvh * stride_head;
-          prefetch_row(krow[j], head_bytes);
+          rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
         }
-        for (int64_t j = 0; j < n; ++j) prefetch_row(vrow[j], head_bytes);
-        tile_scores(qs.data(), group, dim, krow.data(), n, p.data());
-        for (int64_t r = 0; r < group; ++r) {
-          softmax_tile_row(p.data() + r * kTile, n, m[r], sum[r], acc.data() + r * dim, dim);
+        for (int64_t j = t0 + kTile; j < std::min(len, t0 + 2 * kTile); ++j) {
+          const int64_t row = row_of<PAGED>(b, j, starts, table, table_stride, block_size);
+          for (int64_t h = kvh0; h < kvh1; ++h) {
+            prefetch_row(k + row * stride_row + h * stride_head, head_bytes);
+            prefetch_row(v + row * stride_row + h * stride_head, head_bytes);
+          }
         }
-        tile_values(p.data(), group, dim, vrow.data(), n, acc.data());
+        for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
+          for (int64_t j = 0; j < n; ++j) {
+            krow[j] = k + rows[j] * stride_row + kvh * stride_head;
+            vrow[j] = v + rows[j] * stride_row + kvh * stride_head;
+          }
+          const int64_t h0 = kvh * group;
+          tile_scores(qs.data() + h0 * dim, group, dim, krow.data(), n, p.data());
+          for (int64_t r = 0; r < group; ++r) {
+            softmax_tile_row(p.data() + r * kTile, n, m[h0 + r], sum[h0 + r],
+                             acc.data() + (h0 + r) * dim, dim);
+          }
+          tile_values(p.data(), group, dim, vrow.data(), n, acc.data() + h0 * dim);
+        }
       }
-      for (int64_t r = 0; r < group; ++r) {
-        float* o = out + b * out_stride_b + (kvh * group + r) * out_stride_h;
+      for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
+        float* o = out + b * out_stride_b + r * out_stride_h;
         const float* a = acc.data() + r * dim;
         const float inv = len > 0 ? 1.0f / sum[r] : 0.0f;
 #pragma omp simd
@@ -304,16 +391,17 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
         for (int64_t r = 0; r < nrows; ++r) {  // scores, masked, online softmax
           float* sr = s.data() + r * kKTile;
           const float* qr = qs.data() + r * dim;
-#if defined(__AVX512F__)
-          static_assert(kKTile == 32, "two 16-lane score vectors per row");
-          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+#if defined(VMKV_VECTOR)
+          constexpr int64_t kVecs = kKTile / kLanes;  // score vectors per row
+          vfloat sv[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) sv[c] = vzero();
           for (int64_t d = 0; d < dim; ++d) {
-            const __m512 qd = _mm512_set1_ps(qr[d]);
-            s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt.data() + d * kKTile), s0);
-            s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt.data() + d * kKTile + 16), s1);
+            const vfloat qd = vset1(qr[d]);
+            for (int64_t c = 0; c < kVecs; ++c) {
+              sv[c] = vfmadd(qd, vload(kt.data() + d * kKTile + c * kLanes), sv[c]);
+            }
           }
-          _mm512_storeu_ps(sr, s0);
-          _mm512_storeu_ps(sr + 16, s1);
+          for (int64_t c = 0; c < kVecs; ++c) vstore(sr + c * kLanes, sv[c]);
 #else
 #pragma omp simd
           for (int64_t j = 0; j < kKTile; ++j) sr[j] = 0.0f;

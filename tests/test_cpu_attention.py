@@ -4,6 +4,7 @@ child)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,13 +18,17 @@ from vmkv.kernels import cpu_attention
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler")
 
 
-@pytest.fixture(params=["native", "portable"])
+#: the source's code paths: -march=native (AVX-512 or AVX2 intrinsics, whichever the CPU has),
+#: AVX2 on AVX-512 machines, and the portable loops
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
+          "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(params=list(BUILDS))
 def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both code paths of the source: -march=native (AVX-512 intrinsics where the CPU has
-    them) and the portable loops (built with -mno-avx512f)."""
-    if request.param == "portable":
-        flags = (*cpu_attention.FLAGS, "-mno-avx512f")
-        monkeypatch.setattr(cpu_attention, "_lib", lambda: cpu_attention.build(flags))
+    """The kernel library built for one of :data:`BUILDS`."""
+    flags = (*cpu_attention.FLAGS, *BUILDS[request.param])
+    monkeypatch.setattr(cpu_attention, "_lib", lambda: cpu_attention.build(flags))
     return request.param
 
 
@@ -51,6 +56,11 @@ def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int,
     identity = (starts // bs)[:, None] + torch.arange(slot // bs)  # same rows, by table
     paged = cpu_attention.decode(q, k, v, lens, 0.125, block_table=identity, block_size=bs)
     assert torch.equal(paged, got)  # one kernel body: bit-identical in both modes
+    # enough requests for a task per request (all its KV heads) instead of per (request, head)
+    reps = -(-4 * (os.cpu_count() or 1) // batch)
+    many = cpu_attention.decode(q.repeat(reps, 1, 1), k, v, lens.repeat(reps), 0.125,
+                                starts=starts.repeat(reps))
+    assert torch.equal(many, got.repeat(reps, 1))
 
     # a shuffled block pool: copy each request's blocks to random places
     num_blocks = batch * slot // bs

@@ -1,6 +1,8 @@
 """Compile a C/C++/CUDA source into a cached shared library and open it with ctypes.
 
-Builds are keyed by the source's hash and the flags, cached under ``$VMKV_BUILD_DIR`` (default
+Builds are keyed by the source's hash and the flags (and, for ``-march=native``, the CPU's
+instruction sets: a cache directory shared between machines must not hand an AVX-512 build to
+a CPU without AVX-512), cached under ``$VMKV_BUILD_DIR`` (default
 ``~/.cache/vmkv/csrc``) and published with an atomic rename, so concurrent builders never load a
 partial file. The libraries have a plain C ABI and link no torch: no torch headers to compile,
 no dependence on torch's C++ ABI.
@@ -9,8 +11,10 @@ no dependence on torch's C++ ABI.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -29,7 +33,8 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
     """
     if not source.is_file():
         raise RuntimeError(f"kernel source {source} is missing (vmkv needs its source tree)")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    key = " ".join(flags) + (cpu_features() if "-march=native" in flags else "")
+    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:16]
     out = Path(out_dir).expanduser() if out_dir else envs.build_dir()
     lib_path = out / f"{name}_{digest}.so"
     if lib_path.exists():
@@ -44,6 +49,19 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
         raise RuntimeError(f"build failed ({' '.join(cmd)}):\n{proc.stderr}")
     os.replace(tmp, lib_path)
     return lib_path
+
+
+@functools.cache
+def cpu_features() -> str:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``; the machine name elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -49,8 +49,8 @@ def _lib() -> ctypes.CDLL | None:
 def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The kernel library built with ``flags`` (cached); None without a working compiler.
 
-    The source has an AVX-512 path and a portable one (the compiler's choice by ``-march``);
-    tests build the portable one with ``-mno-avx512f`` on machines that have AVX-512."""
+    The source has AVX-512, AVX2 and portable paths (the compiler's choice by ``-march``);
+    tests build each one the CPU can run (``-mno-avx512f``, ``-mno-avx2``)."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         logger.warning("no C++ compiler: CPU decode attention falls back to per-request SDPA")
