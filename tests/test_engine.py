@@ -208,10 +208,15 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
         "model runs eagerly")
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("VMKV_COMPILE", "1")
+    from torch._dynamo.utils import counters
+    counters.clear()
     llm = make_llm("virtual")
     assert llm.engine.compiled
     assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
     assert_nothing_held(llm.engine)  # the warm-up request is gone
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
+    alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == want[0]  # one request: steps of 1 token
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every token count
     assert not make_llm("paged", enforce_eager=True).engine.compiled

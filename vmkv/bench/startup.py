@@ -49,12 +49,14 @@ engine.add_request("probe", [1] * 8, SamplingParams(temperature=0.0, max_tokens=
 while engine.has_unfinished_requests():
     engine.step()
 t["first_token"] = time.time()
+t["compiled"] = engine.compiled
 print("VMKV_STARTUP " + json.dumps(t))
 """
 
 def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
                  env: dict[str, str] | None = None) -> dict[str, float]:
-    """Seconds from spawn to each stage (cumulative) for one fresh process."""
+    """Seconds from spawn to each stage (cumulative) for one fresh process, and whether its
+    engine ran compiled (an engine that fell back to eager starts faster and runs slower)."""
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", _CHILD, *engine_argv], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -64,7 +66,8 @@ def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
         raise RuntimeError(f"start-up probe failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     t = json.loads(lines[-1].removeprefix("VMKV_STARTUP "))
     return {"interpreter_s": t["start"] - spawned, "imports_s": t["imports"] - spawned,
-            "engine_s": t["engine"] - spawned, "first_token_s": t["first_token"] - spawned}
+            "engine_s": t["engine"] - spawned, "first_token_s": t["first_token"] - spawned,
+            "compiled": t["compiled"]}
 
 
 CACHES = ("cold", "warm")
@@ -88,11 +91,13 @@ def run(engine_argv: Sequence[str], *, repeats: int = 3,
                 cache_dir = warm if cache == "warm" else os.path.join(tmp, f"cold-{i}")
                 rows.append({"cache": cache, "run": i, **measure_once(
                     engine_argv, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir})})
-    median = {cache: {k: statistics.median(r[k] for r in rows if r["cache"] == cache)
-                      for k in COLUMNS[2:]} for cache in caches}
+    median = {cache: {**{k: statistics.median(r[k] for r in rows if r["cache"] == cache)
+                         for k in COLUMNS[2:-1]},
+                      "compiled": all(r["compiled"] for r in rows if r["cache"] == cache)}
+              for cache in caches}
     return {"engine_argv": list(engine_argv),
             "rows": [*rows, *({"cache": c, "run": "median", **m} for c, m in median.items())],
             "median": median}
 
 
-COLUMNS = ("cache", "run", "interpreter_s", "imports_s", "engine_s", "first_token_s")
+COLUMNS = ("cache", "run", "interpreter_s", "imports_s", "engine_s", "first_token_s", "compiled")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from vmkv.models.llama import LlamaModel
 
@@ -53,7 +54,8 @@ def warm_up(model: LlamaModel, run_step: Callable[[int], None]) -> float:
     returns the seconds it took. ``run_step`` must run one real step of that many tokens
     through ``model`` (the attention needs a KV cache to write into)."""
     start = time.monotonic()
-    with torch.inference_mode():
+    # size-oblivious: a token count of 1 is not specialised, so one graph serves every count
+    with torch.inference_mode(), fx_config.patch(backed_size_oblivious=True):
         for num_tokens in (2, 1):
             run_step(num_tokens)
     return time.monotonic() - start

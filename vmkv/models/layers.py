@@ -67,19 +67,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, signed sin: [T, 1, head_dim] in `dtype`, computed once per step
+        # positions: [T] -> cos, signed sin: [T, head_dim] in `dtype`, computed once per step
+        # (no size-1 dimension: a compiled layer then sees T as its only dynamic size)
         freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, head_dim/2] fp32
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` (neox half-split) by ``cos, signed_sin [T, 1, D]``.
+    """Rotate ``x [T, heads, head_dim]`` (neox half-split) by ``cos, signed_sin [T, D]``.
 
     ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` is written as
     ``x * cos + cat(x2, x1) * cat(-sin, sin)``: the same products (a sign moved), one roll.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
 
 
 class GatedMLP(nn.Module):

@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, 1, head_dim]
+        # x: [T, hidden]; cos, sin: [T, head_dim]
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         heads = qkv.view(t, hq + 2 * self.num_kv_heads, self.head_dim)
@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
         """The forward over tensors only (``input_ids, positions [T]`` -> ``[T, hidden]``);
         attention goes to the step set by :meth:`forward`."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)  # [T, 1, head_dim] each
+        cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
