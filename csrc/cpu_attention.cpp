@@ -282,9 +282,9 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(sum.begin(), sum.end(), 0.0f);
+      std::fill(acc.begin() + kvh0 * group * dim, acc.begin() + kvh1 * group * dim, 0.0f);
+      std::fill(m.begin() + kvh0 * group, m.begin() + kvh1 * group, -INFINITY);
+      std::fill(sum.begin() + kvh0 * group, sum.begin() + kvh1 * group, 0.0f);
       // Tokens go in tiles (online softmax): per head, a tile's K rows, then the same tokens'
       // V rows; the tile's exponentials are vector loops; the next tile's rows are prefetched.
       for (int64_t t0 = 0; t0 < len; t0 += kTile) {

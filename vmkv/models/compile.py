@@ -6,8 +6,9 @@
         attention (either KV mode, any kernel)        ─▶ ``vmkv::attention``, opaque
 
 All layers share one graph (the parameters are its inputs; the layer index is not, see
-:mod:`vmkv.attention.op`), and the token count is dynamic, so a process compiles twice: T >= 2
-and T == 1 (Dynamo specialises size 1), both at start-up (:func:`warm_up`). Inductor keeps the
+:mod:`vmkv.attention.op`), and the token count is its only dynamic size (the rotary tables are
+``[T, D]``, no size-1 input dimension), traced size-oblivious at start-up (:func:`warm_up`) so
+T == 1 is not specialised: one graph serves every token count. Inductor keeps the
 generated code in its on-disk caches (``$TORCHINDUCTOR_CACHE_DIR``, default
 ``/tmp/torchinductor_<user>``): a restart re-traces one layer and loads the rest in seconds.
 
@@ -50,7 +51,8 @@ def uncompile_layers(model: LlamaModel) -> None:
 
 
 def warm_up(model: LlamaModel, run_step: Callable[[int], None]) -> float:
-    """Compile both graphs now by running ``run_step(num_tokens)`` with 2 tokens, then 1;
+    """Compile the graph now by running ``run_step(num_tokens)`` with 2 tokens, then 1 (which
+    reuses it; were a second graph needed, it would compile here rather than mid-serving);
     returns the seconds it took. ``run_step`` must run one real step of that many tokens
     through ``model`` (the attention needs a KV cache to write into)."""
     start = time.monotonic()
