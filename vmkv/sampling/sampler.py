@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from vmkv.kernels.cpu_argmax import argmax_rows
 from vmkv.sampling.grammar import apply_grammar_bitmask, constrained_rows
 from vmkv.sampling.logprobs import gather_logprobs
 from vmkv.sampling.penalties import apply_min_tokens, apply_penalties
@@ -70,7 +71,7 @@ class Sampler:
         grammar_rows = constrained_rows(states)
         if (not penalised_rows and not grammar_rows and all(s.params.is_greedy for s in states)
                 and not any(s.masked_token_ids for s in states)):
-            token_ids = logits.argmax(dim=-1)  # the common greedy batch: no copy of [B, V]
+            token_ids = argmax_rows(logits)  # the common greedy batch: no copy of [B, V]
         else:
             logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
             apply_penalties(logits, states, penalised_rows)
@@ -85,10 +86,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if not random_rows:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         if len(random_rows) == len(states):
             return self._sample_random(logits, states)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         index = torch.tensor(random_rows, device=logits.device)
         random_states = [states[i] for i in random_rows]
         token_ids[index] = self._sample_random(logits.index_select(0, index), random_states)
@@ -109,7 +110,7 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
         probs = logits.softmax(dim=-1)  # probs: [R, V]
-        return probs.div_(self._exponential_noise(probs, states)).argmax(dim=-1)
+        return argmax_rows(probs.div_(self._exponential_noise(probs, states)))
 
     def _exponential_noise(
         self, probs: torch.Tensor, states: Sequence[SamplingState]
