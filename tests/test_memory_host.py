@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vmkv.memory import MappingBudgetExceeded, PagePool, VirtualRegion
 from vmkv.memory.host import OS_PAGE, HostMemoryBackend, current_vma_count
@@ -79,6 +81,54 @@ def test_new_runs_leave_room_for_growing_neighbours(pool: PagePool) -> None:
     a.close()
     b.close()
     assert pool.num_vmas == 0
+
+
+def test_room_found_again_once_pages_are_freed() -> None:
+    backend = HostMemoryBackend(OS_PAGE, 32)
+    pool = PagePool(backend, 32)
+    try:
+        pool.allocate(30)  # pages 0..29
+        assert pool.allocate(1) == [30]  # no run of 1 + GROW_ROOM free: the lowest free page
+        for page in range(10, 30):
+            pool.release(page)
+        assert pool.allocate(1) == [18]  # room again: 8 pages left after the run at 0..9
+    finally:
+        backend.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 8), st.integers(0, 31)),
+                    min_size=1, max_size=60))
+def test_a_full_pool_skips_searches_that_cannot_succeed_and_answers_the_same(
+        ops: list[tuple[bool, int, int]]) -> None:
+    """The pool remembers which run length found no room until a page is freed; the pages it
+    hands out equal those of a pool that searches every time (same ops, same answers)."""
+    backends = [HostMemoryBackend(OS_PAGE, 32) for _ in range(2)]
+    cached, searching = (PagePool(b, 32, partitions=2) for b in backends)
+    original = PagePool._run_start
+
+    def always_search(self: PagePool, lo: int, hi: int, num: int) -> int | None:
+        self._no_room = [None] * self.partitions
+        return original(self, lo, hi, num)
+
+    held: list[list[int]] = []
+    try:
+        for allocate, num, pick in ops:
+            if allocate or not held:
+                part, hint = pick % 2, pick if pick % 3 else None
+                got = cached.allocate(num, hint, part)
+                searching._run_start = always_search.__get__(searching)  # type: ignore[method-assign]
+                assert searching.allocate(num, hint, part) == got
+                if got:
+                    held.append(got)
+            else:
+                for page in held.pop(pick % len(held)):
+                    cached.release(page)
+                    searching.release(page)
+        cached.check()
+    finally:
+        for b in backends:
+            b.close()
 
 
 def test_vma_count_matches_the_kernel(pool: PagePool) -> None:

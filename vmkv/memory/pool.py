@@ -93,6 +93,11 @@ class PagePool:
                                  for p in range(partitions)]
         self._free_in = [self.partition_size] * partitions
         self._free_mask = np.ones(num_pages, dtype=bool)
+        # per partition: the smallest run length ``_run_start`` found no room for since a page
+        # of it last became free (None: unknown). Taking pages cannot make room, so a larger or
+        # equal search fails without scanning: a nearly full pool (every growth of a slot whose
+        # room is gone) then costs a heap pop, not a scan of the partition.
+        self._no_room: list[int | None] = [None] * partitions
         self.num_in_use = 0
         self.peak_in_use = 0
         for page in range(precreate):
@@ -166,6 +171,7 @@ class PagePool:
             self.num_in_use -= 1
             self._free_in[page // self.partition_size] += 1
             self._free_mask[page] = True
+            self._no_room[page // self.partition_size] = None
             self._make_idle(page)
 
     def trim(self, keep: int | None = None) -> int:
@@ -206,11 +212,16 @@ class PagePool:
         if free[:num].all():
             return lo  # nothing before it to leave room for
         need = GROW_ROOM + num
-        if len(free) < need:
+        part = lo // self.partition_size
+        no_room = self._no_room[part]
+        if len(free) < need or (no_room is not None and need >= no_room):
             return None
         counts = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
         windows = np.flatnonzero(counts[need:] - counts[:-need] == need)
-        return lo + int(windows[0]) + GROW_ROOM if windows.size else None
+        if not windows.size:
+            self._no_room[part] = need if no_room is None else min(no_room, need)
+            return None
+        return lo + int(windows[0]) + GROW_ROOM
 
     def _is_free(self, page: int) -> bool:
         return page in self._idle or page in self._uncreated
