@@ -31,28 +31,33 @@ PROBE = textwrap.dedent("""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     counts = []
-    for _ in range(2):  # the smaller of two: churn repeats every run, a one-off growth does not
+    for _ in range(2):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         llm.generate(prompts, params, use_tqdm=False)
         counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(min(counts))
+    print(*counts)
 """)
 
 
-def faults_with(tuning: str) -> int:
+def faults_with(tuning: str) -> tuple[int, int]:
+    """Minor faults of two successive measured runs in one child process."""
     # the default engine (compiled layers); eager steps churn less and their counts are noisy
     env = {**os.environ, "VMKV_PROCESS_TUNING": tuning, "VMKV_COMPILE": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    first, second = out.stdout.strip().splitlines()[-1].split()
+    return int(first), int(second)
 
 
 @pytest.mark.usefixtures("default_model")
 def test_tuned_malloc_reuses_memory_instead_of_faulting_it_in() -> None:
-    untuned, tuned = faults_with("0"), faults_with("1")
-    # measured (compiled, 2026-12-01): 41,509 and 94,470 untuned against 81 and 82 tuned; a
-    # single run tuned was sometimes ~6,250 (2026-12-02, before and after that day's changes:
-    # one ~25 MB growth, not per-step churn), hence the smaller of two runs
+    untuned, tuned = faults_with("0")[0], min(faults_with("1"))
+    # Untuned, glibc raises its mmap threshold once the first run has freed large blocks, so
+    # the churn shows in the first run (later ones fault little): that run is compared. Tuned,
+    # a run was now and then ~6,250 faults (2026-12-02, before and after that day's changes:
+    # one ~25 MB growth, not per-step churn; the other run ~55), hence the smaller of two.
+    # measured (compiled): 41,509 and 94,470 untuned (2026-12-01), 34,380 (2026-12-02),
+    # against 54-115 tuned
     assert tuned * 10 < untuned, (tuned, untuned)
 
 
