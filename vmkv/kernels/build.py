@@ -13,8 +13,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +25,8 @@ from pathlib import Path
 from vmkv import envs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+logger = logging.getLogger(__name__)
 
 
 def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name: str,
@@ -66,3 +70,18 @@ def cpu_features() -> str:
 
 def load(path: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
+
+
+def load_cpu_library(source: Path, flags: Sequence[str], name: str, fallback: str
+                     ) -> ctypes.CDLL | None:
+    """``source`` built by g++ (or c++) with ``flags`` and opened; None, with one warning
+    saying ``fallback`` (what runs instead), without a compiler or when the build fails."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler for %s: %s", name, fallback)
+        return None
+    try:
+        return load(build_shared_library(source, compiler, flags, name))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("%s unavailable (%s): %s", name, exc, fallback)
+        return None

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import shutil
 
 import torch
 
-from vmkv.kernels.build import CSRC, build_shared_library, load
-
-logger = logging.getLogger(__name__)
+from vmkv.kernels.build import CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_argmax.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -26,13 +22,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None
-    try:
-        lib = load(build_shared_library(SOURCE, compiler, FLAGS, "vmkv_cpu_argmax"))
-    except (RuntimeError, OSError) as exc:
-        logger.warning("CPU argmax kernel unavailable (%s); using torch.argmax", exc)
+    lib = load_cpu_library(SOURCE, FLAGS, "vmkv_cpu_argmax", "torch.argmax instead")
+    if lib is None:
         return None
     lib.vmkv_cpu_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_void_p]

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import shutil
 
 import torch
 
-from vmkv.kernels.build import CSRC, build_shared_library, load
-
-logger = logging.getLogger(__name__)
+from vmkv.kernels.build import CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -51,14 +47,8 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
     The source has AVX-512, AVX2 and portable paths (the compiler's choice by ``-march``);
     tests build each one the CPU can run (``-mno-avx512f``, ``-mno-avx2``)."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler: CPU decode attention falls back to per-request SDPA")
-        return None
-    try:
-        lib = load(build_shared_library(SOURCE, compiler, flags, "vmkv_cpu_attention"))
-    except (RuntimeError, OSError) as exc:
-        logger.warning("CPU attention kernel unavailable (%s); using per-request SDPA", exc)
+    lib = load_cpu_library(SOURCE, flags, "vmkv_cpu_attention", "per-request SDPA instead")
+    if lib is None:
         return None
     lib.vmkv_cpu_decode_attention.argtypes = _ARGTYPES
     lib.vmkv_cpu_decode_attention.restype = ctypes.c_int
