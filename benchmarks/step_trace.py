@@ -21,6 +21,7 @@ from vmkv.process_tuning import tune_process
 
 tune_process()  # before torch loads (OpenMP reads its settings once)
 
+from vmkv.bench.workloads import BenchRequest, load_jsonl  # noqa: E402
 from vmkv.config import EngineConfig  # noqa: E402
 from vmkv.engine.llm_engine import LLMEngine  # noqa: E402
 from vmkv.sampling_params import SamplingParams  # noqa: E402
@@ -28,11 +29,11 @@ from vmkv.sampling_params import SamplingParams  # noqa: E402
 Step = tuple[int, int, float]  # sequences scheduled, tokens, ms
 
 
-def run(engine: LLMEngine, rows: list[dict], tag: str) -> tuple[float, list[Step]]:
+def run(engine: LLMEngine, rows: list[BenchRequest], tag: str) -> tuple[float, list[Step]]:
     """All of ``rows`` to completion; (seconds, [(sequences, tokens, ms) per step])."""
     for i, row in enumerate(rows):
-        engine.add_request(f"{tag}{i}", row["prompt"], SamplingParams(
-            temperature=0.0, max_tokens=row["output_len"], ignore_eos=True))
+        engine.add_request(f"{tag}{i}", row.prompt_token_ids, SamplingParams(
+            temperature=0.0, max_tokens=row.output_len, ignore_eos=True))
     schedule, seen = engine.scheduler.schedule, []
 
     def recording_schedule():  # type: ignore[no-untyped-def]
@@ -60,12 +61,11 @@ def main() -> None:
     ap.add_argument("--kv-mode", default="virtual", choices=("virtual", "paged"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    with open(args.workload) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     engine = LLMEngine(EngineConfig(kv_mode=args.kv_mode))
+    rows = load_jsonl(args.workload, lambda text: engine.tokenizer(text).input_ids)  # as bench
     run(engine, rows[:8], "warmup-")
     seconds, steps = run(engine, rows, "r")
-    out_tokens = sum(r["output_len"] for r in rows)
+    out_tokens = sum(r.output_len for r in rows)
     prefill = [s for s in steps if s[1] > s[0]]
     decode = [s for s in steps if s[1] == s[0]]
     buckets: dict[int, list[float]] = defaultdict(list)

@@ -111,13 +111,13 @@ def test_a_full_pool_skips_searches_that_cannot_succeed_and_answers_the_same(
         self._no_room = [None] * self.partitions
         return original(self, lo, hi, num)
 
+    searching._run_start = always_search.__get__(searching)  # type: ignore[method-assign]
     held: list[list[int]] = []
     try:
         for allocate, num, pick in ops:
             if allocate or not held:
                 part, hint = pick % 2, pick if pick % 3 else None
                 got = cached.allocate(num, hint, part)
-                searching._run_start = always_search.__get__(searching)  # type: ignore[method-assign]
                 assert searching.allocate(num, hint, part) == got
                 if got:
                     held.append(got)

@@ -25,6 +25,8 @@ from pathlib import Path
 from vmkv import envs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
+#: how the CPU kernels (csrc/cpu_*.cpp) are built
+CPU_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,14 @@ import functools
 
 import torch
 
-from vmkv.kernels.build import CSRC, load_cpu_library
+from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_argmax.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = load_cpu_library(SOURCE, FLAGS, "vmkv_cpu_argmax", "torch.argmax instead")
+    lib = load_cpu_library(SOURCE, CPU_FLAGS, "vmkv_cpu_argmax", "torch.argmax instead")
     if lib is None:
         return None
     lib.vmkv_cpu_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -18,10 +18,10 @@ import functools
 
 import torch
 
-from vmkv.kernels.build import CSRC, load_cpu_library
+from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = CPU_FLAGS
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [
     _PTR, _I64, _I64,  # q, q strides (batch, head)
