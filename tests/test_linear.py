@@ -1,4 +1,5 @@
-"""oneDNN-packed linears: same results as F.linear up to float reassociation; opt-out works."""
+"""Packed linears (MKL, oneDNN): same results as F.linear up to float reassociation; the bias
+is never written; the backend choice and its errors."""
 
 from __future__ import annotations
 
@@ -6,26 +7,45 @@ import pytest
 import torch
 from torch import nn
 
-from vmkv.models.linear import PackedLinear, onednn_available, pack_linears
+from vmkv.models.linear import (PackedLinear, mkl_available, onednn_available, pack_linears,
+                                resolve_backend)
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
+BACKENDS = [pytest.param("mkl", marks=pytest.mark.skipif(not mkl_available(),
+                                                          reason="torch without MKL")),
+            pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
+                                                             reason="torch without oneDNN"))]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40, bias=bias)
+    packed = PackedLinear(linear, 64, backend)
     x = torch.randn(rows, 96)
-    torch.testing.assert_close(PackedLinear(linear, 64)(x), linear(x), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 200)[:, 10:106]  # rows 200 floats apart
+    for _ in range(2):  # a second call sees the same bias (an output never aliases it)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(strided), linear(strided), rtol=1e-5, atol=1e-5)
 
 
 def test_pack_linears_swaps_cpu_float32_layers_only() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)),
                           nn.Linear(4, 4).to(torch.float64))
     assert pack_linears(model, "torch") == 0
+    if resolve_backend("auto") == "torch":
+        pytest.skip("torch has neither MKL nor oneDNN")
     assert pack_linears(model) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert model[0].backend == resolve_backend("auto")
     assert isinstance(model[3], nn.Linear)  # float64 stays
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         pack_linears(model, "blas")
+
+
+def test_auto_prefers_mkl() -> None:
+    want = "mkl" if mkl_available() else "onednn" if onednn_available() else "torch"
+    assert resolve_backend("auto") == want
+    with pytest.raises(ValueError, match="PackedLinear backend must be one of"):
+        PackedLinear(nn.Linear(4, 4), 64, "torch")

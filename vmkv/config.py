@@ -31,7 +31,7 @@ LAYOUTS = ("all-layers", "per-layer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
-LINEAR_BACKENDS = ("auto", "torch", "onednn")  # vmkv.models.linear
+LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn")  # vmkv.models.linear
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
@@ -167,8 +167,9 @@ class EngineConfig:
         "sha256", "prefix hash: sha256 (collision-safe across tenants) or builtin",
         choices=PREFIX_CACHE_HASHES)
     linear_backend: str = option(
-        "auto", "CPU float32 linears: auto/onednn (oneDNN with packed weights) or torch "
-        "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+        "auto", "CPU float32 linears with weights packed at load: mkl (MKL's packed GEMM), "
+        "onednn, auto (mkl, else onednn), or torch (F.linear, bit-for-bit what transformers "
+        "computes)", choices=LINEAR_BACKENDS)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")

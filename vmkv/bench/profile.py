@@ -61,8 +61,8 @@ class StepTimer:
         self._in_lm_head = False
         model = engine.model
         if any(isinstance(m, PackedLinear) for m in model.modules()):
-            # every oneDNN linear, eager or called from compiled layers, goes through this
-            self._wrap(linear_module, "_onednn_linear", "gemm", gemm=True)
+            # every packed linear, eager or called from compiled layers, goes through this
+            self._wrap(linear_module, "packed_gemm", "gemm", gemm=True)
         else:  # plain nn.Linear layers (eager only: compiled ones are fused out of reach)
             for layer in model.layers:
                 for module in layer.modules():

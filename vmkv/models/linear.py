@@ -1,15 +1,27 @@
-"""CPU linear layers through oneDNN with weights packed once at load time.
+"""CPU linear layers with weights packed once at load time: MKL's packed GEMM or oneDNN's.
 
-torch's default CPU ``F.linear`` (sgemm) reaches ~100-120 GFLOP/s on this project's 2-core AVX2
-machines at decode batch sizes; oneDNN's ``_linear_pointwise`` on a weight reordered once into
-its blocked layout reaches ~170-200 (measured, docs/benchmarks.md). The results differ from
-sgemm's only by float reassociation (~1e-6 relative). Used for float32 on the CPU when torch
-has the oneDNN ops (``linear_backend="auto"``); ``"torch"`` keeps plain ``F.linear``.
+    backend   weight at load                          per call
+    mkl       cblas_sgemm_pack (MKL's GEMM layout)    cblas_sgemm_compute, any row count
+    onednn    mkldnn._reorder_linear_weight           mkldnn._linear_pointwise
+    torch     as loaded                               F.linear (MKL sgemm: what transformers runs)
+
+torch's default CPU ``F.linear`` repacks the weight inside every call. Packing once pays at
+decode batch sizes: on the project's 2-core machines oneDNN's packed linear reached ~170-200
+GFLOP/s where ``F.linear`` reached ~100-120 (AVX2), and MKL's packed compute beats oneDNN's by
+1.1-2.5x at the decoder's shapes for 1-64 rows (AVX-512, docs/benchmarks.md): it has no
+per-call primitive set-up (~13 us for oneDNN) and packs for the row count it is given. MKL's
+``cblas_sgemm_pack``/``cblas_sgemm_compute`` are reached through ctypes in torch's own
+``libtorch_cpu`` (torch links MKL in on x86-64; where the symbols are missing, ``auto`` takes
+oneDNN). All three differ only by float reassociation (~1e-6 relative); ``mkl`` mostly matches
+``F.linear`` bit for bit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,6 +30,32 @@ from vmkv.config import LINEAR_BACKENDS
 
 logger = logging.getLogger(__name__)
 
+# MKL's CBLAS enums (mkl_cblas.h)
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+
+
+@functools.cache
+def _cblas() -> ctypes.CDLL | None:
+    """torch's ``libtorch_cpu`` with MKL's packed-GEMM entry points typed, or None."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        get_size, pack, compute = (lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack,
+                                   lib.cblas_sgemm_compute)
+    except (OSError, AttributeError):
+        return None
+    c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
+    get_size.restype, get_size.argtypes = ctypes.c_size_t, [c_int] * 4
+    pack.restype = None
+    pack.argtypes = [c_int] * 6 + [ctypes.c_float, c_ptr, c_int, c_ptr]
+    compute.restype = None
+    compute.argtypes = [c_int] * 6 + [c_ptr, c_int, c_ptr, c_int, ctypes.c_float, c_ptr, c_int]
+    return lib
+
+
+def mkl_available() -> bool:
+    """Whether torch exposes MKL's packed GEMM (``cblas_sgemm_pack``/``_compute``)."""
+    return _cblas() is not None
+
 
 def onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
@@ -25,13 +63,63 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` in oneDNN's packed layout (inference only, float32)."""
+def _mkl_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """``weight [N, K]`` as MKL's packed ``B = weight^T`` (a byte buffer, 64-byte aligned)."""
+    lib = _cblas()
+    assert lib is not None
+    weight = weight.contiguous()
+    n, k = weight.shape
+    size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, batch_hint, n, k)
+    packed = torch.empty(size, dtype=torch.uint8)
+    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, batch_hint, n, k, 1.0,
+                         weight.data_ptr(), k, packed.data_ptr())
+    return packed
 
-    def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
+
+def _mkl_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    # x: [M, K] -> [M, N]; the bias (if any) is C's starting value (beta = 1)
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) < k:
+        x = x.contiguous()
+    if bias is None:
+        out, beta = x.new_empty(m, out_features), 0.0
+    else:
+        out, beta = bias.repeat(m, 1), 1.0  # a new tensor (contiguous() may alias)
+    if m > 0:
+        _cblas().cblas_sgemm_compute(  # type: ignore[union-attr]
+            _ROW_MAJOR, _NO_TRANS, _PACKED, m, out_features, k, x.data_ptr(), x.stride(0),
+            packed.data_ptr(), k, beta, out.data_ptr(), out_features)
+    return out
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_GEMMS = {"mkl": _mkl_linear, "onednn": _onednn_linear}
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int, backend: str) -> torch.Tensor:
+    """``x [M, K] -> x W^T + b [M, out_features]`` with ``W`` packed for ``backend``."""
+    return _GEMMS[backend](x, packed, bias, out_features)
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` packed once for ``backend`` (inference only, float32)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int, backend: str = "mkl") -> None:
         super().__init__()
+        if backend not in _GEMMS:
+            raise ValueError(f"PackedLinear backend must be one of {tuple(_GEMMS)}, "
+                             f"got {backend!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.backend = backend
+        weight = linear.weight.detach()
+        packed = (_mkl_pack(weight, batch_hint) if backend == "mkl"
+                  else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
@@ -40,46 +128,52 @@ class PackedLinear(nn.Module):
         # x: [T, in_features] -> [T, out_features]
         if torch.compiler.is_compiling():  # opaque to Inductor: the packed call as it is
             return torch.ops.vmkv.packed_linear(x, self.packed_weight, self.bias,
-                                                self.out_features)
-        return _onednn_linear(x, self.packed_weight, self.bias)
-
-
-def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
-                   ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+                                                self.out_features, self.backend)
+        return packed_gemm(x, self.packed_weight, self.bias, self.out_features, self.backend)
 
 
 @torch.library.custom_op("vmkv::packed_linear", mutates_args=())
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
-    """oneDNN's linear on a weight packed by ``_reorder_linear_weight`` (Inductor has no
-    lowering for a weight packed outside it, so compiled code calls this op)."""
-    return _onednn_linear(x, packed_weight, bias)
+                   out_features: int, backend: str) -> torch.Tensor:
+    """:func:`packed_gemm` for compiled code (Inductor has no lowering for a weight packed
+    outside it)."""
+    return packed_gemm(x, packed_weight, bias, out_features, backend)
 
 
 @_packed_linear.register_fake
 def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor,
-                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+                         bias: torch.Tensor | None, out_features: int, backend: str
+                         ) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+def resolve_backend(backend: str) -> str:
+    """The packed backend ``backend`` means here ("torch" for none). Raises ValueError for an
+    unknown name or an explicit backend this torch lacks."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "mkl" if mkl_available() else "onednn" if onednn_available() else "torch"
+    if backend == "mkl" and not mkl_available():
+        raise ValueError("linear_backend='mkl' needs torch built with MKL "
+                         "(cblas_sgemm_pack in libtorch_cpu)")
+    if backend == "onednn" and not onednn_available():
+        raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
+    return backend
 
 
 def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) -> int:
     """Swap ``model``'s float32 CPU ``nn.Linear`` layers for :class:`PackedLinear`; returns how
     many were swapped (0 for other devices/dtypes or ``backend="torch"``)."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    backend = resolve_backend(backend)
     if backend == "torch":
-        return 0
-    if not onednn_available():
-        if backend == "onednn":
-            raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32):
-                setattr(parent, name, PackedLinear(child, batch_hint))
+                setattr(parent, name, PackedLinear(child, batch_hint, backend))
                 swapped += 1
-    logger.debug("packed %d linear layers for oneDNN", swapped)
+    logger.debug("packed %d linear layers for %s", swapped, backend)
     return swapped

@@ -121,8 +121,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                tensor_parallel: tuple[int, int] = (0, 1)) -> tuple[LlamaModel, ModelConfig]:
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
 
-    ``linear_backend`` (float32 on CPU): "auto"/"onednn" pack the linear layers for oneDNN
-    (:mod:`vmkv.models.linear`), "torch" keeps ``F.linear``. ``tensor_parallel = (rank,
+    ``linear_backend`` (float32 on CPU): "mkl"/"onednn" pack the linear layers' weights once
+    for that library, "auto" takes the first this torch has (:mod:`vmkv.models.linear`),
+    "torch" keeps ``F.linear``. ``tensor_parallel = (rank,
     size)``: only that rank's shard (:mod:`vmkv.models.sharding`). Returns the model and
     the whole model's config (``model.config`` is the shard's).
 
