@@ -246,12 +246,22 @@ inline void tile_values(const float* p, int64_t group, int64_t dim, const float*
   }
 }
 
+// The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), which decode
+// stores at each request's last token (seq_lens[b] - 1) before attending; k == nullptr: none.
+struct NewRows {
+  const float* k = nullptr;
+  int64_t k_stride_b = 0, k_stride_h = 0;
+  const float* v = nullptr;
+  int64_t v_stride_b = 0, v_stride_h = 0;
+};
+
 template <bool PAGED>
 void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float* k,
             const float* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
             const int32_t* table, int64_t table_stride, int64_t block_size,
             const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-            float scale, float* out, int64_t out_stride_b, int64_t out_stride_h) {
+            float scale, float* out, int64_t out_stride_b, int64_t out_stride_h,
+            const NewRows& fresh) {
   const int64_t group = heads / kv_heads;
   const int64_t head_bytes = dim * 4;
   // A task is a request's KV heads [kvh0, kvh0 + span): all of them (each token's K and V rows
@@ -276,6 +286,15 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
     for (int64_t task = 0; task < batch * splits; ++task) {
       const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
       const int64_t len = seq_lens[b];
+      if (fresh.k != nullptr && len > 0) {  // store the new token's K/V rows of these heads
+        const int64_t row = row_of<PAGED>(b, len - 1, starts, table, table_stride, block_size);
+        for (int64_t h = kvh0; h < kvh1; ++h) {
+          std::memcpy(const_cast<float*>(k) + row * stride_row + h * stride_head,
+                      fresh.k + b * fresh.k_stride_b + h * fresh.k_stride_h, head_bytes);
+          std::memcpy(const_cast<float*>(v) + row * stride_row + h * stride_head,
+                      fresh.v + b * fresh.v_stride_b + h * fresh.v_stride_h, head_bytes);
+        }
+      }
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
         const float* src = q + b * q_stride_b + r * q_stride_h;
         float* dst = qs.data() + r * dim;
@@ -434,25 +453,32 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
 
 extern "C" {
 
-// Returns 0 on success, 1 on bad arguments.
+// Returns 0 on success, 1 on bad arguments. With k_new (and v_new) given, entry b's new K/V
+// rows k_new[b], v_new[b] ([batch, kv_heads, dim] at the given strides) are first stored at its
+// token seq_lens[b] - 1; the cache k, v is then written, not only read.
 int vmkv_cpu_decode_attention(const float* q, int64_t q_stride_b, int64_t q_stride_h,
                               const float* k, const float* v, int64_t stride_row,
                               int64_t stride_head, const int64_t* starts, const int32_t* table,
                               int64_t table_stride, int64_t block_size, const int32_t* seq_lens,
                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                               float scale, float* out, int64_t out_stride_b,
-                              int64_t out_stride_h) {
+                              int64_t out_stride_h, const float* k_new, int64_t k_new_stride_b,
+                              int64_t k_new_stride_h, const float* v_new,
+                              int64_t v_new_stride_b, int64_t v_new_stride_h) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0) return 1;
+  if ((k_new == nullptr) != (v_new == nullptr)) return 1;
+  const NewRows fresh{k_new, k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
+                      v_new_stride_h};
   if (table != nullptr) {
     if (block_size <= 0) return 1;
     decode<true>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, nullptr, table,
                  table_stride, block_size, seq_lens, batch, heads, kv_heads, dim, scale, out,
-                 out_stride_b, out_stride_h);
+                 out_stride_b, out_stride_h, fresh);
   } else {
     if (starts == nullptr) return 1;
     decode<false>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, nullptr, 0,
                   1, seq_lens, batch, heads, kv_heads, dim, scale, out, out_stride_b,
-                  out_stride_h);
+                  out_stride_h, fresh);
   }
   return 0;
 }

@@ -111,6 +111,35 @@ def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads
     assert torch.equal(some[rows], got[rows]) and (some[: rows.start] == 7.0).all()
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("batch", [3, 64])  # a task per (request, head) / per request
+def test_decode_stores_the_new_rows_then_attends(paged: bool, batch: int,
+                                                 kernel_build: str) -> None:
+    torch.manual_seed(batch)
+    heads, kv_heads, dim, slot, bs = 9, 3, 64, 48, 16
+    k = torch.randn(batch * slot, kv_heads, dim)
+    v = torch.randn(batch * slot, kv_heads, dim)
+    lens = torch.randint(1, slot + 1, (batch,), dtype=torch.int32)
+    starts = torch.arange(batch) * slot
+    new_rows = starts + lens.to(torch.int64) - 1  # each request's last token
+    k[new_rows], v[new_rows] = float("nan"), float("nan")  # not yet written
+    # the model's layout: K and V heads are slices of one [B, Hq + 2 Hkv, D] tensor
+    qkv = torch.randn(batch, heads + 2 * kv_heads, dim)
+    q, k_new, v_new = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    addressing = (dict(block_table=(starts // bs)[:, None] + torch.arange(slot // bs),
+                       block_size=bs) if paged else dict(starts=starts))
+    want_k, want_v = k.clone(), v.clone()
+    want_k[new_rows], want_v[new_rows] = k_new, v_new
+    want = cpu_attention.decode(q, want_k, want_v, lens, 0.125, **addressing)
+    out = torch.full((batch, heads * dim), float("nan"))
+    got = cpu_attention.decode(q, k, v, lens, 0.125, new_kv=(k_new, v_new), out=out,
+                               **addressing)
+    assert got is out and torch.equal(got, want)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # those rows, and only those
+    with pytest.raises(ValueError, match="new K/V rows must be"):
+        cpu_attention.decode(q, k, v, lens, 0.125, new_kv=(k_new[:1], v_new), **addressing)
+
+
 def test_bad_arguments_are_value_errors() -> None:
     q, k = torch.randn(1, 4, 8), torch.randn(4, 2, 8)
     lens = torch.tensor([2], dtype=torch.int32)

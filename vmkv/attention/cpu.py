@@ -65,6 +65,18 @@ class CpuAttentionBackend(AttentionBackend):
                                torch.from_numpy(addr.rows(req, pos)), addr, decode, prefill,
                                seq_rows)
 
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """As the base class; when every request of the step decodes, the decode kernel stores
+        the new K/V rows itself, in the same call (no separate write)."""
+        assert isinstance(meta, CpuStepMetadata)
+        if meta.decode is None or meta.decode.query_rows is not None:
+            return super().forward(layer, q, k, v, meta, scale)
+        k_flat, v_flat = self._flat[layer]
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
+        cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v))
+        return out
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         k_flat, v_flat = self._flat[layer]

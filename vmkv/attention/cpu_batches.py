@@ -88,16 +88,23 @@ def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[in
 
 
 def run_decode(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-               out: torch.Tensor, scale: float) -> None:
-    """Attend every decode of ``batch`` and write its rows of ``out [T, heads*D]``."""
-    qd = q if batch.query_rows is None else q.index_select(0, batch.query_rows)
+               out: torch.Tensor, scale: float,
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Attend every decode of ``batch`` and write its rows of ``out [T, heads*D]``; with
+    ``new_kv = (k, v) [T, kv_heads, D]`` (every row decodes) the kernel stores those rows in
+    the cache first."""
     r = batch.rows
-    res = cpu_attention.decode(qd, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
-                               block_table=r.block_table, block_size=r.block_size)
     if batch.query_rows is None:
-        out.copy_(res)
-    else:
-        out.index_copy_(0, batch.query_rows, res)
+        cpu_attention.decode(q, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
+                             block_table=r.block_table, block_size=r.block_size,
+                             new_kv=new_kv, out=out)
+        return
+    if new_kv is not None:
+        raise ValueError("the decode kernel stores new K/V only when every row decodes")
+    res = cpu_attention.decode(q.index_select(0, batch.query_rows), k_flat, v_flat,
+                               batch.seq_lens, scale, starts=r.starts,
+                               block_table=r.block_table, block_size=r.block_size)
+    out.index_copy_(0, batch.query_rows, res)
 
 
 def run_prefill(batch: PrefillBatch, q: torch.Tensor, k_flat: torch.Tensor,

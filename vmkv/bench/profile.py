@@ -10,7 +10,8 @@ and each step's wall time is split into parts that add up to it exactly:
     gemm           the decoder layers' linears (qkv, o, gate_up, down)
     lm_head        the vocabulary projection (compute_logits)
     attention      the attention backend's kernels (decode kernel, SDPA)
-    kv_write       the backend's K/V write
+    kv_write       the backend's separate K/V write (on the CPU a step where every request
+                   decodes has none: the decode kernel stores the new rows, inside attention)
     glue           the rest of the forward: embedding, norms, RoPE, activation, residual adds
     sampler        logits -> token ids (and logprobs)
     engine_python  the rest of the step: scheduler, KV manager, step metadata, outputs
@@ -71,7 +72,7 @@ class StepTimer:
         self._wrap(model, "compute_logits", "lm_head", gemm=True)
         self._wrap(model, "forward", "forward")
         self._wrap(engine.attn, "write_kv", "kv_write")
-        self._wrap(engine.attn, "attend", "attention")
+        self._wrap(engine.attn, "forward", "attention_forward")  # the write and the attention
         self._wrap(engine, "_sample", "sampler")
 
     def _wrap(self, obj: Any, method: str, part: str, *, gemm: bool = False) -> None:
@@ -108,6 +109,7 @@ class StepTimer:
         wall = time.perf_counter_ns() - t0
         cpu = time.process_time() - cpu0
         ms = {k: v / 1e6 for k, v in self.ns.items()}
+        ms["attention"] = ms.get("attention_forward", 0.0) - ms.get("kv_write", 0.0)
         inner = sum(ms.get(p, 0.0) for p in ("gemm", "attention", "kv_write"))
         parts = {p: ms.get(p, 0.0) for p in ("gemm", "lm_head", "attention", "kv_write")}
         parts["glue"] = ms.get("forward", 0.0) - inner

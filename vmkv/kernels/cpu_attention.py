@@ -34,6 +34,7 @@ _ARGTYPES = [
 
 
 _PREFILL_ARGTYPES = _ARGTYPES[:11] + [_PTR, _PTR] + _ARGTYPES[11:]  # + q starts, q lens
+_DECODE_ARGTYPES = _ARGTYPES + [_PTR, _I64, _I64, _PTR, _I64, _I64]  # + new k, v and strides
 
 
 @functools.cache
@@ -50,7 +51,7 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     lib = load_cpu_library(SOURCE, flags, "vmkv_cpu_attention", "per-request SDPA instead")
     if lib is None:
         return None
-    lib.vmkv_cpu_decode_attention.argtypes = _ARGTYPES
+    lib.vmkv_cpu_decode_attention.argtypes = _DECODE_ARGTYPES
     lib.vmkv_cpu_decode_attention.restype = ctypes.c_int
     lib.vmkv_cpu_prefill_attention.argtypes = _PREFILL_ARGTYPES
     lib.vmkv_cpu_prefill_attention.restype = ctypes.c_int
@@ -84,19 +85,35 @@ def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
 
 def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tensor,
            scale: float, *, starts: torch.Tensor | None = None,
-           block_table: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
+           block_table: torch.Tensor | None = None, block_size: int = 0,
+           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of ``q [B, heads, D]`` over flat cache rows ``[rows, kv_heads, D]``.
 
     Exactly one of ``starts`` (int64 ``[B]``: first row of each request's contiguous run) or
     ``block_table`` (int32 ``[B, max_blocks]`` with ``block_size``) addresses the rows; request
-    ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else. Returns
-    ``[B, heads * D]`` float32.
+    ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else. With
+    ``new_kv = (k, v)`` (each ``[B, kv_heads, D]``, unit stride in D) the kernel first stores
+    request ``b``'s new rows ``k[b], v[b]`` at its token ``seq_lens[b] - 1`` (the write and the
+    attention in one pass). Returns ``[B, heads * D]`` float32: ``out`` when given (that shape,
+    contiguous), else a new tensor.
     """
     lib, starts, block_table, table_stride = _checked("decode", q, k_rows, v_rows, starts,
                                                       block_table)
     batch, heads, dim = q.shape
     kv_heads = k_rows.shape[1]
-    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(batch, heads * dim, dtype=torch.float32)
+    elif out.shape != (batch, heads * dim) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [{batch}, {heads * dim}], got "
+                         f"{tuple(out.shape)}")
+    k_new = v_new = None
+    if new_kv is not None:
+        k_new, v_new = new_kv
+        for t in (k_new, v_new):
+            if t.shape != (batch, kv_heads, dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"new K/V rows must be float32 [{batch}, {kv_heads}, {dim}] "
+                                 f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -104,12 +121,15 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
         lens.data_ptr(), batch, heads, kv_heads, dim, float(scale),
-        out.data_ptr(), out.stride(0), out.stride(1),
+        out.data_ptr(), heads * dim, dim,
+        *((k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
+           v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
+          if k_new is not None and v_new is not None else (None, 0, 0, None, 0, 0)),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "
                          f"k {tuple(k_rows.shape)}, block_size {block_size}")
-    return out.view(batch, heads * dim)
+    return out
 
 
 def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start: torch.Tensor,
