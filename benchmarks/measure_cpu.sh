@@ -106,4 +106,31 @@ for mode in virtual paged; do
         --context-len 300 --prefill-batch 1 --prefill-len 32 \
         --json $S/profile-virtual-vs-paged-$mode.json
 done
+
+# --- Issue 14, MKL packed linears + decode kernel's own K/V write (2026-12-02, later) ---------
+M=$R/issue14-mkl
+mkdir -p $M/serve
+want i14-mkl-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
+    && cp /tmp/vmkv-vllm-cpu/compare.json $M/peers-$(git rev-parse --short HEAD).json
+want i14-mkl-cold && .venv/bin/python benchmarks/peers/compare.py --vllm-python none \
+    --engines virtual,paged --model "$($VMKV model fetch | tail -1)" \
+    --workload /tmp/vmkv-vllm-cpu/workload.jsonl --repeats 5 --out $M/cold \
+    --vmkv-arg=--warmup-prompts=0
+for mode in virtual paged; do
+    want i14-mkl-profile && $VMKV bench profile --kv-mode $mode --batch-size 64 \
+        --context-len 300 --prefill-batch 1 --prefill-len 32 \
+        --json $M/profile-64x300-$mode.json
+    # before: BEFORE=<a checkout of d2c6648 with its .venv>
+    if [ -n "${BEFORE:-}" ]; then
+        want i14-mkl-serve && (cd "$BEFORE" && .venv/bin/vmkv bench serve --launch \
+            --kv-mode $mode --workload jsonl --jsonl /tmp/vmkv-vllm-cpu/workload.jsonl \
+            --num-prompts 64 --request-rate inf,4 --seed 0 \
+            --json "$OLDPWD/$M/serve/serve-before-$mode.json")
+    fi
+    want i14-mkl-serve && $VMKV bench serve --launch --kv-mode $mode --workload jsonl \
+        --jsonl /tmp/vmkv-vllm-cpu/workload.jsonl --num-prompts 64 --request-rate inf,4 \
+        --seed 0 --json $M/serve/serve-after-$mode.json
+done
+want i14-mkl-profile && $VMKV bench profile --kv-mode virtual --batch-size 4 \
+    --context-len 150 --prefill-batch 1 --prefill-len 32 --json $M/profile-4x150-virtual.json
 true

@@ -7,8 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from vmkv.models.linear import (PackedLinear, mkl_available, onednn_available, pack_linears,
-                                resolve_backend)
+from vmkv.models.linear import (
+    PackedLinear,
+    mkl_available,
+    onednn_available,
+    pack_linears,
+    resolve_backend,
+)
 
 BACKENDS = [pytest.param("mkl", marks=pytest.mark.skipif(not mkl_available(),
                                                           reason="torch without MKL")),
