@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from vmkv.models import linear as linear_module
 from vmkv.models.linear import (
     PackedLinear,
     mkl_available,
@@ -49,8 +50,14 @@ def test_pack_linears_swaps_cpu_float32_layers_only() -> None:
         pack_linears(model, "blas")
 
 
-def test_auto_prefers_mkl() -> None:
-    want = "mkl" if mkl_available() else "onednn" if onednn_available() else "torch"
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_auto_takes_mkl_on_intel_and_onednn_elsewhere(vendor: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
+    if vendor == "GenuineIntel" and mkl_available():
+        want = "mkl"
+    else:
+        want = ("onednn" if onednn_available() else "mkl" if mkl_available() else "torch")
     assert resolve_backend("auto") == want
     with pytest.raises(ValueError, match="PackedLinear backend must be one of"):
         PackedLinear(nn.Linear(4, 4), 64, "torch")

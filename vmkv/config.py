@@ -168,8 +168,8 @@ class EngineConfig:
         choices=PREFIX_CACHE_HASHES)
     linear_backend: str = option(
         "auto", "CPU float32 linears with weights packed at load: mkl (MKL's packed GEMM), "
-        "onednn, auto (mkl, else onednn), or torch (F.linear, bit-for-bit what transformers "
-        "computes)", choices=LINEAR_BACKENDS)
+        "onednn, auto (mkl on Intel CPUs, else onednn), or torch (F.linear, bit-for-bit what "
+        "transformers computes)", choices=LINEAR_BACKENDS)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")

@@ -57,17 +57,28 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
     return lib_path
 
 
-@functools.cache
-def cpu_features() -> str:
-    """This CPU's instruction-set flags (``/proc/cpuinfo``; the machine name elsewhere)."""
+def _cpuinfo(*fields: str) -> str | None:
+    """The first of ``fields`` in ``/proc/cpuinfo`` (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(fields):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.machine() + platform.processor()
+    return None
+
+
+@functools.cache
+def cpu_features() -> str:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``; the machine name elsewhere)."""
+    return _cpuinfo("flags", "Features") or platform.machine() + platform.processor()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's ``vendor_id`` (e.g. ``GenuineIntel``, ``AuthenticAMD``; "" if unknown)."""
+    return _cpuinfo("vendor_id") or ""
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -8,12 +8,13 @@
 torch's default CPU ``F.linear`` repacks the weight inside every call. Packing once pays at
 decode batch sizes: on the project's 2-core machines oneDNN's packed linear reached ~170-200
 GFLOP/s where ``F.linear`` reached ~100-120 (AVX2), and MKL's packed compute beats oneDNN's by
-1.1-2.5x at the decoder's shapes for 1-64 rows (AVX-512, docs/benchmarks.md): it has no
-per-call primitive set-up (~13 us for oneDNN) and packs for the row count it is given. MKL's
-``cblas_sgemm_pack``/``cblas_sgemm_compute`` are reached through ctypes in torch's own
-``libtorch_cpu`` (torch links MKL in on x86-64; where the symbols are missing, ``auto`` takes
-oneDNN). All three differ only by float reassociation (~1e-6 relative); ``mkl`` mostly matches
-``F.linear`` bit for bit.
+1.1-2.5x at the decoder's shapes for 1-64 rows (AVX-512 Xeon, docs/benchmarks.md): it has no
+per-call primitive set-up (~13 us for oneDNN) and its packed weight serves any row count.
+MKL's ``cblas_sgemm_pack``/``cblas_sgemm_compute`` are reached through ctypes in torch's own
+``libtorch_cpu`` (torch links MKL in on x86-64). ``auto`` takes MKL on Intel CPUs, where it was
+measured, and oneDNN elsewhere or where the MKL symbols are missing (MKL on AMD was not
+measured; ``linear_backend="mkl"`` forces it). All three differ only by float reassociation
+(~1e-6 relative); ``mkl`` mostly matches ``F.linear`` bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from vmkv.config import LINEAR_BACKENDS
+from vmkv.kernels.build import cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +154,10 @@ def resolve_backend(backend: str) -> str:
     unknown name or an explicit backend this torch lacks."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "mkl" if mkl_available() else "onednn" if onednn_available() else "torch"
+    if backend == "auto":  # MKL was measured faster on Intel only (not measured elsewhere)
+        if mkl_available() and (cpu_vendor() == "GenuineIntel" or not onednn_available()):
+            return "mkl"
+        return "onednn" if onednn_available() else "torch"
     if backend == "mkl" and not mkl_available():
         raise ValueError("linear_backend='mkl' needs torch built with MKL "
                          "(cblas_sgemm_pack in libtorch_cpu)")
