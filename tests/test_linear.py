@@ -61,3 +61,11 @@ def test_auto_takes_mkl_on_intel_and_onednn_elsewhere(vendor: str,
     assert resolve_backend("auto") == want
     with pytest.raises(ValueError, match="PackedLinear backend must be one of"):
         PackedLinear(nn.Linear(4, 4), 64, "torch")
+
+
+def test_a_backend_this_torch_lacks_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "mkl_available", lambda: False)
+    with pytest.raises(ValueError, match="linear_backend='mkl' needs torch built with MKL"):
+        PackedLinear(nn.Linear(4, 4), 64, "mkl")
+    with pytest.raises(ValueError, match="linear_backend='mkl' needs torch built with MKL"):
+        pack_linears(nn.Sequential(nn.Linear(4, 4)), "mkl")

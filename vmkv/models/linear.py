@@ -68,7 +68,7 @@ def onednn_available() -> bool:
 def _mkl_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     """``weight [N, K]`` as MKL's packed ``B = weight^T`` (a byte buffer, 64-byte aligned)."""
     lib = _cblas()
-    assert lib is not None
+    assert lib is not None  # PackedLinear checked mkl_available()
     weight = weight.contiguous()
     n, k = weight.shape
     size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, batch_hint, n, k)
@@ -112,8 +112,9 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` packed once for ``backend`` (inference only, float32)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int, backend: str = "mkl") -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int, backend: str) -> None:
         super().__init__()
+        backend = resolve_backend(backend)  # "auto" picks; one this torch lacks is refused
         if backend not in _GEMMS:
             raise ValueError(f"PackedLinear backend must be one of {tuple(_GEMMS)}, "
                              f"got {backend!r}")

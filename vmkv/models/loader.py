@@ -122,10 +122,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
 
     ``linear_backend`` (float32 on CPU): "mkl"/"onednn" pack the linear layers' weights once
-    for that library, "auto" takes the first this torch has (:mod:`vmkv.models.linear`),
-    "torch" keeps ``F.linear``. ``tensor_parallel = (rank,
-    size)``: only that rank's shard (:mod:`vmkv.models.sharding`). Returns the model and
-    the whole model's config (``model.config`` is the shard's).
+    for that library, "auto" picks one (:func:`vmkv.models.linear.resolve_backend`), "torch"
+    keeps ``F.linear``. ``tensor_parallel = (rank, size)``: only that rank's shard
+    (:mod:`vmkv.models.sharding`). Returns the model and the whole model's config
+    (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
     weights that do not fit the config.
