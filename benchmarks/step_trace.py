@@ -72,7 +72,8 @@ def main() -> None:
     for seqs, _, ms in decode:
         buckets[(seqs + 7) // 8 * 8].append(ms)
     summary = {
-        "kv_mode": args.kv_mode, "compiled": engine.compiled, "seconds": seconds,
+        "kv_mode": args.kv_mode, "compiled": engine.compiled,
+        "fused_layers": engine.fused is not None, "seconds": seconds,
         "output_tokens_per_s": out_tokens / seconds, "steps": len(steps),
         "prefill_steps": len(prefill), "prefill_s": sum(s[2] for s in prefill) / 1e3,
         "prefill_tokens": sum(s[1] for s in prefill),

@@ -12,18 +12,21 @@ from vmkv.cli import main
 
 
 @pytest.mark.usefixtures("default_model")
-@pytest.mark.parametrize(("kv_mode", "compiled"), [("virtual", False), ("paged", False),
-                                                  ("virtual", True)])
-def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, compiled: bool,
+@pytest.mark.parametrize(("kv_mode", "layers"), [("virtual", "modules"), ("paged", "fused"),
+                                                ("virtual", "compiled"), ("virtual", "fused")])
+def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, layers: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager and compiled engines alike: the linears and attention stay visible."""
-    monkeypatch.setenv("VMKV_COMPILE", "1" if compiled else "0")
+    """Eager, compiled and fused layers alike: the linears and attention stay visible (fused
+    layers time their own GEMMs)."""
+    monkeypatch.setenv("VMKV_COMPILE", "1" if layers == "compiled" else "0")
+    monkeypatch.setenv("VMKV_FUSED_LAYERS", "1" if layers == "fused" else "0")
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     assert main(["bench", "profile", "--kv-mode", kv_mode, "--batch-size", "3",
                  "--context-len", "40", "--prefill-batch", "2", "--prefill-len", "24",
                  "--repeats", "2", "--warmup", "1", "--json", str(out), "--plot", str(png)]) == 0
     result = json.loads(out.read_text())
-    assert result["compiled"] == compiled
+    assert result["compiled"] == (layers == "compiled")
+    assert result["fused_layers"] == (layers == "fused")
     assert result["rates"]["gemm_flops_per_s"] > 1e9
     assert result["rates"]["bandwidth_bytes_per_s"] > 1e8
     decode, prefill = result["phases"]

@@ -8,6 +8,7 @@ import pytest
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.models.linear import mkl_available
 
 pytestmark = pytest.mark.usefixtures("default_model")
 
@@ -200,9 +201,33 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
 
 
 @pytest.mark.slow
+def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 CPU engine with MKL linears runs its decoder layers as fused C++ calls by
+    default, in both KV modes, with the tokens of the layers run as torch modules; other
+    linear backends and VMKV_FUSED_LAYERS=0 keep the modules."""
+    if not mkl_available():
+        pytest.skip("torch without MKL's packed GEMM")
+    fused = {mode: make_llm(mode, linear_backend="mkl") for mode in ("virtual", "paged")}
+    for llm in fused.values():
+        assert llm.engine.fused is not None and not llm.engine.compiled
+        assert llm.engine.startup_report()[-1] == (
+            "decoder layers fused (C++ calls around the attention)")
+    assert make_llm("paged", linear_backend="torch").engine.fused is None
+    monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")
+    modules = make_llm("virtual", linear_backend="mkl")
+    assert modules.engine.fused is None
+    want = [o.outputs[0].token_ids for o in modules.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for llm in fused.values():
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert_nothing_held(llm.engine)
+
+
+@pytest.mark.slow
 def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU engines compile their decoder layers at start-up (warm-up steps of 2 and 1 tokens
     through the real KV cache, freed again) unless told not to; the tokens do not change."""
+    monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")  # else the layers run fused, not compiled
     eager = make_llm("virtual")
     assert not eager.engine.compiled and eager.engine.startup_report()[-1] == (
         "model runs eagerly")

@@ -35,7 +35,9 @@ from vmkv.models import (
     load_tokenizer,
     resolve_model,
 )
+from vmkv.models.fused_layers import fuse_layers
 from vmkv.models.layers import rope_inv_freq
+from vmkv.models.linear import mkl_available
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,13 +89,20 @@ def tiny_reference(tiny_model: tuple[str, Path, Any]) -> tuple[list[list[int]], 
 
 
 # -- random-weight models of every architecture --------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize(("kv_mode", "layout"), KV_CASES, ids=KV_IDS)
 def test_tiny_greedy_matches_transformers(tiny_model: tuple[str, Path, Any],
                                           tiny_reference: tuple[list, list],
-                                          kv_mode: str, layout: str) -> None:
+                                          kv_mode: str, layout: str, fused: bool) -> None:
+    """Every architecture, as torch modules and as fused C++ layers (all but the per-head
+    q/k-norm one, which stays modules), gives transformers' greedy tokens in both KV modes."""
     name, path, _ = tiny_model
     prompts, expected = tiny_reference
-    model, cfg = load_model(path, torch.float32, "cpu")
+    if fused and not mkl_available():
+        pytest.skip("torch without MKL's packed GEMM")
+    model, cfg = load_model(path, torch.float32, "cpu", linear_backend="mkl" if fused else "auto")
+    if fused:
+        assert (fuse_layers(model) is None) == ("qk-norm" in name)
     kv = make_kv(cfg, kv_mode, layout, max_model_len=128)
     try:
         got = greedy_generate(model, kv, prompts, max_new_tokens=40)
@@ -439,6 +448,27 @@ def test_compiled_default_model_greedy_matches_transformers(
         kv.close()
     assert all(not isinstance(layer.forward, torch.nn.Module) and
                hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.layers)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kv_mode", "layout"), [KV_CASES[0], KV_CASES[2]],
+                         ids=[KV_IDS[0], KV_IDS[2]])
+def test_fused_default_model_greedy_matches_transformers(
+        smol_dir: Path, smol_reference: tuple[list, list], kv_mode: str, layout: str) -> None:
+    """The decoder layers as fused C++ calls (the CPU engine's default) still give
+    transformers' greedy tokens in fp32, in both KV modes."""
+    if not mkl_available():
+        pytest.skip("torch without MKL's packed GEMM")
+    prompts, expected = smol_reference
+    model, cfg = load_model(smol_dir, torch.float32, linear_backend="mkl")
+    assert fuse_layers(model) is not None
+    kv = make_kv(cfg, kv_mode, layout, num_slots=len(prompts), max_model_len=128)
+    try:
+        got = greedy_generate(model, kv, prompts, SMOL_NEW_TOKENS)
+    finally:
+        kv.close()
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
 

@@ -44,6 +44,10 @@ VMKV_COMPILE = EnvVar(
     "VMKV_COMPILE", "1",
     "CPU engines compile their decoder layers with TorchInductor (unless `--enforce-eager`); "
     "0: every engine of the process runs eagerly (the test suite sets it)")
+VMKV_FUSED_LAYERS = EnvVar(
+    "VMKV_FUSED_LAYERS", "1",
+    "CPU float32 engines with MKL linears run each decoder layer but its attention as two C++ "
+    "calls (csrc/cpu_decoder_layer.cpp) instead of compiled torch modules; 0: off")
 VMKV_BACKGROUND_MAPPER = EnvVar(
     "VMKV_BACKGROUND_MAPPER", "1",
     "virtual mode on CUDA: map the next steps' pages on a thread while the GPU computes; 0: map "
@@ -88,7 +92,8 @@ GOMP_SPINCOUNT = EnvVar(
 
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
-    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_BACKGROUND_MAPPER,
+    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_FUSED_LAYERS,
+    VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
     VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK, RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
@@ -112,6 +117,10 @@ def cuda_graphs() -> bool:
 
 def compile_enabled() -> bool:
     return _switch(VMKV_COMPILE)
+
+
+def fused_layers_enabled() -> bool:
+    return _switch(VMKV_FUSED_LAYERS)
 
 
 def background_mapper() -> bool:

@@ -19,8 +19,10 @@ and each step's wall time is split into parts that add up to it exactly:
 Timing wraps each part's entry point for the measurement only (wall clock, ``perf_counter_ns``;
 the wrappers cost ~1 us per call). Compiled layers are measured too: their linears and their
 attention are opaque calls the wrappers still see, and glue is what the fused code spends
-around them. ``cores_idle`` is the share of the step's core-time no thread
-of this process spent running (1 - process CPU time / (wall x threads)): waiting, not working.
+around them. Fused C++ layers (:mod:`vmkv.models.fused_layers`) count their GEMMs' time
+themselves while profiled (``clock_gettime`` around each GEMM); the rest of them is glue.
+``cores_idle`` is the share of the step's core-time no thread of this process spent running
+(1 - process CPU time / (wall x threads)): waiting, not working.
 
 Rooflines, measured on this machine in the same run: FLOPs / the linear backend's rate on a
 2048^3 product, and bytes / the copy bandwidth of a 256 MiB tensor. Attention takes the larger
@@ -61,6 +63,12 @@ class StepTimer:
         self._undo: list[Callable[[], None]] = []
         self._in_lm_head = False
         model = engine.model
+        #: fused C++ layers (vmkv.models.fused_layers) time their own GEMMs
+        self.fused = getattr(engine, "fused", None)
+        if self.fused is not None:
+            fused = self.fused
+            fused.profile(True)
+            self._undo.append(lambda: fused.profile(False))
         if any(isinstance(m, PackedLinear) for m in model.modules()):
             # every packed linear, eager or called from compiled layers, goes through this
             self._wrap(linear_module, "packed_gemm", "gemm", gemm=True)
@@ -93,6 +101,8 @@ class StepTimer:
             self.ns[part] = self.ns.get(part, 0) + time.perf_counter_ns() - start
             if gemm:  # x [M, K] -> out [M, N]: 2 M K N
                 self.flops[part] += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
+            elif part == "forward" and self.fused is not None:  # input_ids [T]
+                self.flops["gemm"] += self.fused.flops_per_token * args[0].shape[0]
             return out
 
         had_own = method in vars(obj)
@@ -104,10 +114,14 @@ class StepTimer:
         """Run one engine step; its parts in ms, plus ``step_ms``, FLOPs and idle share."""
         self.ns = {}
         self.flops = {"gemm": 0, "lm_head": 0}
+        if self.fused is not None:
+            self.fused.ns.zero_()
         cpu0, t0 = time.process_time(), time.perf_counter_ns()
         self.engine.step()
         wall = time.perf_counter_ns() - t0
         cpu = time.process_time() - cpu0
+        if self.fused is not None:  # the fused calls' GEMMs (their elementwise time is glue)
+            self.ns["gemm"] = self.ns.get("gemm", 0) + int(self.fused.ns[0])
         ms = {k: v / 1e6 for k, v in self.ns.items()}
         ms["attention"] = ms.get("attention_forward", 0.0) - ms.get("kv_write", 0.0)
         inner = sum(ms.get(p, 0.0) for p in ("gemm", "attention", "kv_write"))
@@ -280,8 +294,9 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      "x_roofline": phase["step_ms"] / sum(roof.values())})
     engine.close()
     return {"bench": "profile", "rates": rates, "kv_mode": config.kv_mode,
-            "compiled": engine.compiled, "prefill_kernel": prefill_kernel,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "compiled": engine.compiled, "fused_layers": engine.fused is not None,
+            "prefill_kernel": prefill_kernel, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
             "scenario": {"batch": batch, "context": context, "prefill_batch": prefill_batch,
                          "prefill_len": prefill_len, "repeats": repeats, "warmup": warmup},
             "glue_passes": GLUE_PASSES, "phases": phases, "rows": rows}

@@ -9,10 +9,11 @@ each stage, so
 
 are all measured from the parent's spawn (interpreter start-up included).
 
-A compiled CPU engine's start depends on TorchInductor's on-disk cache, so every run names its
-own ``TORCHINDUCTOR_CACHE_DIR``: **cold** runs get an empty one (a first start on a new
-machine), **warm** runs share one filled by an unrecorded run first (a restart). Cold and warm
-runs alternate.
+A CPU engine's start depends on its on-disk caches: TorchInductor's for compiled layers and
+vmkv's built kernels (``$VMKV_BUILD_DIR``) for fused ones and the attention kernels. So every
+run names its own ``TORCHINDUCTOR_CACHE_DIR`` and ``VMKV_BUILD_DIR``: **cold** runs get empty
+ones (a first start on a new machine), **warm** runs share ones filled by an unrecorded run
+first (a restart). Cold and warm runs alternate.
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ engine.add_request("probe", [1] * 8, SamplingParams(temperature=0.0, max_tokens=
 while engine.has_unfinished_requests():
     engine.step()
 t["first_token"] = time.time()
-t["compiled"] = engine.compiled
+t["layers"] = ("fused" if engine.fused is not None else "compiled" if engine.compiled
+               else "eager")
 print("VMKV_STARTUP " + json.dumps(t))
 """
 
 def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
                  env: dict[str, str] | None = None) -> dict[str, float]:
-    """Seconds from spawn to each stage (cumulative) for one fresh process, and whether its
-    engine ran compiled (an engine that fell back to eager starts faster and runs slower)."""
+    """Seconds from spawn to each stage (cumulative) for one fresh process, and how its engine
+    ran the decoder layers: fused, compiled or eager (an engine that fell back to eager starts
+    faster and runs slower)."""
     spawned = time.time()
     proc = subprocess.run([sys.executable, "-c", _CHILD, *engine_argv], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -67,7 +70,7 @@ def measure_once(engine_argv: Sequence[str], timeout: float = 600.0,
     t = json.loads(lines[-1].removeprefix("VMKV_STARTUP "))
     return {"interpreter_s": t["start"] - spawned, "imports_s": t["imports"] - spawned,
             "engine_s": t["engine"] - spawned, "first_token_s": t["first_token"] - spawned,
-            "compiled": t["compiled"]}
+            "layers": t["layers"]}
 
 
 CACHES = ("cold", "warm")
@@ -83,21 +86,26 @@ def run(engine_argv: Sequence[str], *, repeats: int = 3,
         raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="vmkv-startup-") as tmp:
+        def caches_at(folder: str) -> dict[str, str]:
+            return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
+                    "VMKV_BUILD_DIR": os.path.join(folder, "csrc")}
+
         warm = os.path.join(tmp, "warm")
-        if "warm" in caches:  # fill the shared cache (not recorded)
-            measure_once(engine_argv, env={"TORCHINDUCTOR_CACHE_DIR": warm})
+        if "warm" in caches:  # fill the shared caches (not recorded)
+            measure_once(engine_argv, env=caches_at(warm))
         for i in range(repeats):
             for cache in caches:
-                cache_dir = warm if cache == "warm" else os.path.join(tmp, f"cold-{i}")
-                rows.append({"cache": cache, "run": i, **measure_once(
-                    engine_argv, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir})})
+                folder = warm if cache == "warm" else os.path.join(tmp, f"cold-{i}")
+                rows.append({"cache": cache, "run": i,
+                             **measure_once(engine_argv, env=caches_at(folder))})
     median = {cache: {**{k: statistics.median(r[k] for r in rows if r["cache"] == cache)
                          for k in COLUMNS[2:-1]},
-                      "compiled": all(r["compiled"] for r in rows if r["cache"] == cache)}
+                      "layers": "/".join(sorted({r["layers"] for r in rows
+                                                 if r["cache"] == cache}))}
               for cache in caches}
     return {"engine_argv": list(engine_argv),
             "rows": [*rows, *({"cache": c, "run": "median", **m} for c, m in median.items())],
             "median": median}
 
 
-COLUMNS = ("cache", "run", "interpreter_s", "imports_s", "engine_s", "first_token_s", "compiled")
+COLUMNS = ("cache", "run", "interpreter_s", "imports_s", "engine_s", "first_token_s", "layers")

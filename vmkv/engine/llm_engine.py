@@ -81,8 +81,8 @@ class LLMEngine:
                 self.tp.close(graceful=False)
             raise
         self.model, self.model_config = shard.model, shard.model_config
-        self.max_model_len, self.attn, self.compiled = (
-            shard.max_model_len, shard.attn, shard.compiled)
+        self.max_model_len, self.attn, self.compiled, self.fused = (
+            shard.max_model_len, shard.attn, shard.compiled, shard.fused)
         # the scheduler's and the engine's KV calls reach every rank through the recorder
         self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
         self.dtype = self.model.dtype
@@ -124,7 +124,9 @@ class LLMEngine:
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
             kv.describe(),
-            "decoder layers compiled (TorchInductor)" if self.compiled else "model runs eagerly",
+            ("decoder layers fused (C++ calls around the attention)" if self.fused is not None
+             else "decoder layers compiled (TorchInductor)" if self.compiled
+             else "model runs eagerly"),
         ]
         if self.tp is not None:
             lines.append(f"tensor parallel: {self.tp.size} ranks; each holds the KV above for "

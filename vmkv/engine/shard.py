@@ -28,6 +28,7 @@ from vmkv.kv import create_kv_cache
 from vmkv.kv.base import KVCacheManager
 from vmkv.models import LlamaModel, ModelConfig, load_model, parse_dtype
 from vmkv.models.compile import try_compile
+from vmkv.models.fused_layers import FusedLayers, fuse_layers
 
 logger = logging.getLogger("vmkv")
 
@@ -42,6 +43,7 @@ class EngineShard:
     kv: KVCacheManager
     attn: AttentionBackend
     compiled: bool
+    fused: FusedLayers | None  # the decoder layers as C++ calls (vmkv.models.fused_layers)
 
 
 def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
@@ -61,13 +63,16 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     kv = create_kv_cache(config.cache, model.config.kv_spec(dtype), num_slots=config.max_num_seqs,
                          max_model_len=max_model_len, device=device)
     attn = create_attention_backend(kv)
-    # CPU: the decoder layers compiled with TorchInductor (off: --enforce-eager or
-    # VMKV_COMPILE=0; without a compiler or on a failure: eager, logged)
-    # warm-up without collectives: each rank compiles (or not, or fails) on its own
+    # CPU float32 with MKL linears: the layers as C++ calls (off: VMKV_FUSED_LAYERS=0);
+    # otherwise compiled with TorchInductor (off: --enforce-eager or VMKV_COMPILE=0; without a
+    # compiler or on a failure: eager, logged). Warm-up without collectives: each rank
+    # compiles (or not, or fails) on its own
+    fused = fuse_layers(model) if device == "cpu" and envs.fused_layers_enabled() else None
     with local_only():
-        compiled = (device == "cpu" and not config.enforce_eager and envs.compile_enabled()
+        compiled = (device == "cpu" and fused is None and not config.enforce_eager
+                    and envs.compile_enabled()
                     and try_compile(model, partial(warm_up_step, model, kv, attn)))
-    return EngineShard(model, model_config, max_model_len, kv, attn, compiled)
+    return EngineShard(model, model_config, max_model_len, kv, attn, compiled, fused)
 
 
 def warm_up_step(model: LlamaModel, kv: KVCacheManager, attn: AttentionBackend,

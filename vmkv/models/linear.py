@@ -59,6 +59,17 @@ def mkl_available() -> bool:
     return _cblas() is not None
 
 
+def mkl_compute_address() -> int:
+    """The address of MKL's ``cblas_sgemm_compute`` in torch's ``libtorch_cpu`` (for C code
+    that calls it on weights packed here; RuntimeError when :func:`mkl_available` is False)."""
+    lib = _cblas()
+    if lib is None:
+        raise RuntimeError("torch has no MKL packed GEMM (cblas_sgemm_compute)")
+    address = ctypes.cast(lib.cblas_sgemm_compute, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 def onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
