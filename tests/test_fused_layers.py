@@ -1,0 +1,131 @@
+"""Fused CPU decoder layers (vmkv.models.fused_layers, csrc/cpu_decoder_layer.cpp): the same
+numbers as the layers run as torch modules, refused shapes, the fallbacks and the profiling
+counters. Greedy equality with transformers is in test_models.py and test_engine.py."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import make_kv, prefill_logits, save_random_model
+
+from vmkv.kernels import cpu_decoder_layer as kernels
+from vmkv.models import load_model
+from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
+from vmkv.models.linear import mkl_available
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not mkl_available(), reason="torch without MKL's packed GEMM")
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module", params=["plain", "all-biases"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
+    """A tiny random Llama without biases, or with every linear's bias."""
+    bias = request.param == "all-biases"
+    path = tmp_path_factory.mktemp(request.param)
+    save_random_model(transformers.LlamaConfig(**TINY, attention_bias=bias, mlp_bias=bias),
+                      path, seed=3)
+    return path
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_fused_logits_equal_the_modules(checkpoint: Path, kv_mode: str) -> None:
+    """Prefill steps of 300 tokens (the elementwise loops on the OpenMP team) and of 5 (on the
+    calling thread), then single-token steps: every position's logits as the modules give."""
+    modules, cfg = load_model(checkpoint, linear_backend="mkl")
+    fused, _ = load_model(checkpoint, linear_backend="mkl")
+    assert fuse_layers(fused) is not None and unfusable(modules) is None
+    prompt = torch.randint(0, cfg.vocab_size, (310,), generator=torch.Generator().manual_seed(1))
+    for chunk in (300, 5, 1):
+        logits = []
+        for model in (fused, modules):
+            kv = make_kv(cfg, kv_mode, max_model_len=512)
+            try:
+                logits.append(prefill_logits(model, kv, prompt.tolist(), chunk=chunk))
+            finally:
+                kv.close()
+        # fp32 rounding only (the norm's summation order, exp's last bit), as between
+        # chunkings (test_models.py)
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=5e-5)
+
+
+def test_bad_shapes_are_refused(checkpoint: Path) -> None:
+    """The C calls check the geometry against every weight and return 1 (nothing written)
+    for a mismatch, a negative row count or an attention row stride below Hq * D."""
+    model, cfg = load_model(checkpoint, linear_backend="mkl")
+    fused = FusedLayers(model)
+    lib, layer = fused.lib, fused.layers[0]
+    x = torch.randn(3, cfg.hidden_size)
+    cos, sin = model.rotary(torch.arange(3), torch.float32)
+    h = torch.empty(3, cfg.hidden_size)
+    qkv = torch.full((3, fused.qkv_width), 7.0)
+    gu = torch.empty(3, 2 * cfg.intermediate_size)
+    attn = torch.randn(3, cfg.q_size)
+
+    def attn_in(shape: kernels.LayerShape, t: int) -> int:
+        return lib.vmkv_layer_attn_in(ctypes.byref(shape), layer, x.data_ptr(), t,
+                                      cos.data_ptr(), sin.data_ptr(), h.data_ptr(),
+                                      qkv.data_ptr())
+
+    assert attn_in(fused.shape, 3) == 0 and not (qkv == 7.0).all()
+    qkv.fill_(7.0)
+    for field, value in (("hidden", cfg.hidden_size + 1), ("num_kv_heads", 1),
+                         ("intermediate", 1), ("head_dim", cfg.head_dim - 1)):
+        wrong = kernels.LayerShape.from_buffer_copy(fused.shape)
+        setattr(wrong, field, value)
+        assert attn_in(wrong, 3) == 1, field
+    assert attn_in(fused.shape, -1) == 1
+    assert (qkv == 7.0).all()  # nothing was written
+    before = x.clone()
+    assert lib.vmkv_layer_attn_out(ctypes.byref(fused.shape), layer, x.data_ptr(), 3,
+                                   attn.data_ptr(), cfg.q_size - 1, h.data_ptr(),
+                                   gu.data_ptr()) == 1
+    assert torch.equal(x, before)
+
+
+def test_profile_counts_gemm_and_elementwise_time(checkpoint: Path) -> None:
+    model, cfg = load_model(checkpoint, linear_backend="mkl")
+    fused = fuse_layers(model)
+    assert fused is not None
+    kv = make_kv(cfg, "virtual")
+    try:
+        prefill_logits(model, kv, list(range(40)))
+        assert fused.ns.tolist() == [0, 0]  # counters off by default
+        fused.profile(True)
+        prefill_logits(model, kv, list(range(40)))
+        assert (fused.ns > 0).all()
+        fused.profile(False)
+        fused.ns.zero_()
+        prefill_logits(model, kv, list(range(40)))
+        assert fused.ns.tolist() == [0, 0]
+    finally:
+        kv.close()
+    # 2 FLOPs per weight of the four linears, per token
+    assert fused.flops_per_token == 2 * cfg.num_layers * cfg.hidden_size * (
+        cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * cfg.intermediate_size)
+
+
+def test_what_cannot_run_fused_says_why(checkpoint: Path, caplog: pytest.LogCaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "not packed for MKL" in str(unfusable(load_model(checkpoint,
+                                                            linear_backend="torch")[0]))
+    assert "bfloat16" in str(unfusable(load_model(checkpoint, torch.bfloat16)[0]))
+    model, _ = load_model(checkpoint, linear_backend="mkl")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no g++ / c++: the library cannot build
+    monkeypatch.setenv("VMKV_BUILD_DIR", str(Path(str(checkpoint)) / "empty-build-dir"))
+    kernels._lib.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO):
+            assert fuse_layers(model) is None
+    finally:
+        kernels._lib.cache_clear()
+    assert model.run_body == model.body
+    assert "fused CPU decoder layers off: the kernel library did not build" in caplog.text
