@@ -133,4 +133,42 @@ for mode in virtual paged; do
 done
 want i14-mkl-profile && $VMKV bench profile --kv-mode virtual --batch-size 4 \
     --context-len 150 --prefill-batch 1 --prefill-len 32 --json $M/profile-4x150-virtual.json
+# --- Issue 14, fused decoder layers (2026-12-02, third session) --------------------------------
+# before/after in one checkout: VMKV_FUSED_LAYERS=0 runs the compiled layers of 68ddb82
+F=$R/issue14-fused
+mkdir -p $F/serve $F/ab
+MODEL_DIR() { $VMKV model fetch | tail -1; }
+for mode in virtual paged; do
+    for rep in 1 2; do
+        for fused in 1 0; do
+            want i14-fused-ab && VMKV_FUSED_LAYERS=$fused $VMKV bench throughput \
+                --workload jsonl --jsonl /tmp/vmkv-vllm-cpu/workload.jsonl --num-prompts 64 \
+                --kv-mode $mode --model "$(MODEL_DIR)" --repeats 1 --warmup-prompts 8 \
+                --no-progress --json $F/ab/$mode-fused$fused-$rep.json
+        done
+    done
+done
+want i14-fused-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
+    && cp /tmp/vmkv-vllm-cpu/compare.json $F/peers-$(git rev-parse --short HEAD).json
+want i14-fused-cold && .venv/bin/python benchmarks/peers/compare.py --vllm-python none \
+    --engines virtual,paged --model "$(MODEL_DIR)" \
+    --workload /tmp/vmkv-vllm-cpu/workload.jsonl --repeats 5 --out $F/cold \
+    --vmkv-arg=--warmup-prompts=0
+for mode in virtual paged; do
+    for fused in 1 0; do
+        want i14-fused-profile && VMKV_FUSED_LAYERS=$fused $VMKV bench profile \
+            --kv-mode $mode --batch-size 64 --context-len 300 --prefill-batch 1 \
+            --prefill-len 32 --json $F/profile-64x300-$mode-fused$fused.json
+        want i14-fused-serve && VMKV_FUSED_LAYERS=$fused $VMKV bench serve --launch \
+            --kv-mode $mode --workload jsonl --jsonl /tmp/vmkv-vllm-cpu/workload.jsonl \
+            --num-prompts 64 --request-rate inf,4 --seed 0 \
+            --json $F/serve/serve-$mode-fused$fused.json
+    done
+done
+for fused in 1 0; do
+    want i14-fused-profile && VMKV_FUSED_LAYERS=$fused $VMKV bench profile --kv-mode virtual \
+        --batch-size 4 --context-len 150 --prefill-batch 1 --prefill-len 32 \
+        --json $F/profile-4x150-virtual-fused$fused.json
+done
+want i14-fused-startup && $VMKV bench startup --repeats 3 --json $F/startup.json
 true
