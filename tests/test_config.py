@@ -75,9 +75,12 @@ def test_cache_config_is_a_view_of_the_engine_config() -> None:
                           kv_layout="per-layer", max_idle_memory=0, device="cuda")
     assert config.cache == CacheConfig(kv_mode="paged", kv_cache_memory=1 << 20, block_size=32,
                                        kv_layout="per-layer", max_idle_memory=0, precreate=True)
-    assert EngineConfig().cache == CacheConfig()  # the same defaults; no precreate on CPU
+    # the same defaults, but engines pre-create their pages and premap 2 pages on the CPU
+    assert EngineConfig().cache == CacheConfig(precreate=True, premap_pages=2)
+    assert EngineConfig(device="cuda").cache.premap_pages == 0
+    assert EngineConfig(premap_pages=0).cache.premap_pages == 0
     for f in fields(CacheConfig):
-        if f.name != "precreate":
+        if f.name not in ("precreate", "premap_pages"):  # premap: None (by device) -> 0
             assert f.default == EngineConfig.__dataclass_fields__[f.name].default, f.name
 
 

@@ -200,6 +200,18 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
     assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]
 
 
+def test_a_cpu_engine_precreates_its_pool_and_maps_ahead() -> None:
+    """A virtual-mode CPU engine creates its whole pool at start-up in one call (as paged mode
+    allocates its blocks) and maps 2 pages ahead per growth; nothing stays held after."""
+    llm = make_llm("virtual", kv_cache_memory=64 << 20)
+    kv = llm.engine.kv
+    assert kv.pool.num_created == kv.pool.num_pages
+    assert kv.backend.stats.ops["create"].calls == 1 and kv.premap_pages == 2
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert kv.backend.stats.ops["create"].calls == 1
+    assert_nothing_held(llm.engine)
+
+
 @pytest.mark.slow
 def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """A float32 CPU engine with MKL linears runs its decoder layers as fused C++ calls by

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmkv.memory import MappingBudgetExceeded, PagePool, VirtualRegion
+from vmkv.memory.base import MemoryBackend, VmmError
 from vmkv.memory.host import OS_PAGE, HostMemoryBackend, current_vma_count
 
 PAGE = 64 * 1024
@@ -65,6 +66,39 @@ def test_create_and_release_commit_and_return_memory() -> None:
     assert backend.file_bytes() == 2 * PAGE and pool.num_created == 2
     assert backend.stats.ops["release"].calls == 8
     region.close()
+    backend.close()
+
+
+def test_a_precreated_pool_commits_every_page_in_one_call() -> None:
+    """Engines pre-create their pool: one fallocate for the range (all or none), and a page
+    count the partitions round down still pre-creates every page there is."""
+    backend = HostMemoryBackend(PAGE, 20)
+    pool = PagePool(backend, 20, precreate=20, partitions=3)  # 18 pages: 3 x 6
+    assert pool.num_pages == 18 and pool.num_created == pool.num_idle == 18
+    assert backend.stats.ops["create"].calls == 1 and backend.file_bytes() == 18 * PAGE
+    region = VirtualRegion(pool, 6 * PAGE, partition=1)
+    assert region.map_new(0, 2) == [6, 7]  # idle pages: nothing more to create
+    assert backend.stats.ops["create"].calls == 1
+    region.close()
+    pool.check()
+    backend.close()
+    failing = HostMemoryBackend(PAGE, 8)
+    failing.faults.arm("create", "ENOMEM")
+    with pytest.raises(VmmError, match="ENOMEM|memory"):
+        PagePool(failing, 8, precreate=8)
+    assert failing.file_bytes() == 0
+    failing.close()
+
+
+def test_the_default_range_create_rolls_back_a_partial_range() -> None:
+    """A backend without a range call creates page by page; a refusal midway releases the
+    pages that call created, then raises."""
+    backend = HostMemoryBackend(PAGE, 8)
+    backend.faults.arm("create", "EPERM", after=3)
+    with pytest.raises(VmmError):
+        MemoryBackend.create_pages(backend, 2, 5)  # the per-page loop of the base class
+    assert backend.stats.ops["create"].calls == 3 and backend.stats.ops["release"].calls == 3
+    assert backend.file_bytes() == 0
     backend.close()
 
 

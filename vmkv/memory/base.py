@@ -104,6 +104,20 @@ class MemoryBackend(ABC):
     def create_page(self, page_id: int) -> None:
         """Commit physical memory for ``page_id`` (CUDA ``cuMemCreate``; host ``fallocate``)."""
 
+    def create_pages(self, first: int, num: int) -> None:
+        """Create pages ``first .. first+num-1`` (all or none: a failure releases the ones this
+        call created, then raises). Backends that can commit a range in one call override it
+        (host: one ``fallocate``)."""
+        done = 0
+        try:
+            for page in range(first, first + num):
+                self.create_page(page)
+                done += 1
+        except BaseException:
+            for page in range(first, first + done):
+                rolled_back(lambda page=page: self.release_page(page))
+            raise
+
     @abstractmethod
     def release_page(self, page_id: int) -> None:
         """Return ``page_id``'s memory to the OS/driver; it must be mapped nowhere."""

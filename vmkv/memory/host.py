@@ -104,6 +104,16 @@ class HostMemoryBackend(MemoryBackend):
             if _libc.fallocate(self._fd, 0, page_id * self.page_size, self.page_size) != 0:
                 raise _os_error(call)
 
+    def create_pages(self, first: int, num: int) -> None:
+        call = f"fallocate(create pages {first}..{first + num - 1})"
+        self.faults.check("create", call)
+        offset, n = first * self.page_size, num * self.page_size
+        with self.stats.timed("create", num):
+            if _libc.fallocate(self._fd, 0, offset, n) != 0:
+                error = _os_error(call)  # all or none: drop whatever part did land
+                _libc.fallocate(self._fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, n)
+                raise error
+
     def release_page(self, page_id: int) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         call = f"fallocate(punch page {page_id})"

@@ -73,6 +73,7 @@ class PagePool:
         if not 1 <= partitions <= num_pages:
             raise ValueError(f"partitions must be in 1..{num_pages}, got {partitions}")
         num_pages -= num_pages % partitions
+        precreate = min(precreate, num_pages)  # "every page" survives the rounding
         if max_idle_pages is not None and max_idle_pages < 0:
             raise ValueError(f"max_idle_pages must be >= 0 or None, got {max_idle_pages}")
         self.backend = backend
@@ -100,10 +101,12 @@ class PagePool:
         self._no_room: list[int | None] = [None] * partitions
         self.num_in_use = 0
         self.peak_in_use = 0
-        for page in range(precreate):
-            self._create(page)
-            self._uncreated.discard(page)
-            self._make_idle(page)
+        if precreate:  # one backend call for the range (host: one fallocate)
+            self.backend.create_pages(0, precreate)
+            for page in range(precreate):
+                self._created[page] = 1
+                self._uncreated.discard(page)
+                self._make_idle(page)
 
     # -- queries ------------------------------------------------------------------------------
     @property
