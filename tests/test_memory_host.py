@@ -90,6 +90,30 @@ def test_a_precreated_pool_commits_every_page_in_one_call() -> None:
     failing.close()
 
 
+def test_pages_are_created_in_chunks_within_their_partition() -> None:
+    """With ``create_chunk`` an allocation that needs an uncreated page creates the uncreated
+    pages after it too (one call, not past its partition); the extras wait idle. A refused
+    create changes nothing."""
+    backend = HostMemoryBackend(PAGE, 16)
+    pool = PagePool(backend, 16, partitions=2, create_chunk=4)  # partitions 0-7 and 8-15
+    assert pool.allocate(1, partition=1) == [8]
+    assert pool.num_created == 4 and pool.num_idle == 3  # pages 8-11, one fallocate
+    assert pool.allocate(3, 9, partition=1) == [9, 10, 11]
+    assert backend.stats.ops["create"].calls == 1
+    assert pool.allocate(5, 12, partition=1) is None  # 4 free left in partition 1
+    assert pool.allocate(4, 12, partition=1) == [12, 13, 14, 15]  # stops at the partition end
+    assert backend.stats.ops["create"].calls == 2 and pool.num_created == 8
+    pool.check()
+    backend.faults.arm("create", "ENOMEM")
+    with pytest.raises(VmmError):
+        pool.allocate(1, partition=0)
+    assert pool.num_created == 8 and backend.file_bytes() == 8 * PAGE
+    pool.check()
+    assert pool.allocate(1, partition=0) == [0]  # the refused page is free again
+    pool.check()
+    backend.close()
+
+
 def test_the_default_range_create_rolls_back_a_partial_range() -> None:
     """A backend without a range call creates page by page; a refusal midway releases the
     pages that call created, then raises."""

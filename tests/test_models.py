@@ -394,13 +394,10 @@ def smol_reference(smol_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, hf_greedy(hf_model, prompts, SMOL_NEW_TOKENS)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("kv_mode", "layout"), KV_CASES, ids=KV_IDS)
-def test_default_model_greedy_matches_transformers(smol_dir: Path,
-                                                   smol_reference: tuple[list, list],
-                                                   kv_mode: str, layout: str) -> None:
+def assert_smol_greedy(model: LlamaModel, cfg: ModelConfig, smol_reference: tuple[list, list],
+                       kv_mode: str, layout: str) -> None:
+    """``model`` (SmolLM2) decodes transformers' greedy tokens for the SMOL prompts."""
     prompts, expected = smol_reference
-    model, cfg = load_model(smol_dir, torch.float32)
     kv = make_kv(cfg, kv_mode, layout, num_slots=len(prompts), max_model_len=128)
     try:
         got = greedy_generate(model, kv, prompts, SMOL_NEW_TOKENS)
@@ -408,6 +405,15 @@ def test_default_model_greedy_matches_transformers(smol_dir: Path,
         kv.close()
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kv_mode", "layout"), KV_CASES, ids=KV_IDS)
+def test_default_model_greedy_matches_transformers(smol_dir: Path,
+                                                   smol_reference: tuple[list, list],
+                                                   kv_mode: str, layout: str) -> None:
+    model, cfg = load_model(smol_dir, torch.float32)
+    assert_smol_greedy(model, cfg, smol_reference, kv_mode, layout)
 
 
 def test_default_model_config_and_fast_reload(smol_dir: Path) -> None:
@@ -438,18 +444,11 @@ def test_compiled_default_model_greedy_matches_transformers(
     linears opaque) still give transformers' greedy tokens in fp32, in both KV modes."""
     from vmkv.models.compile import compile_layers
 
-    prompts, expected = smol_reference
     model, cfg = load_model(smol_dir, torch.float32)
     compile_layers(model)
-    kv = make_kv(cfg, kv_mode, layout, num_slots=len(prompts), max_model_len=128)
-    try:
-        got = greedy_generate(model, kv, prompts, SMOL_NEW_TOKENS)
-    finally:
-        kv.close()
+    assert_smol_greedy(model, cfg, smol_reference, kv_mode, layout)
     assert all(not isinstance(layer.forward, torch.nn.Module) and
                hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.layers)
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
 
 
 @pytest.mark.slow
@@ -461,16 +460,9 @@ def test_fused_default_model_greedy_matches_transformers(
     transformers' greedy tokens in fp32, in both KV modes."""
     if not mkl_available():
         pytest.skip("torch without MKL's packed GEMM")
-    prompts, expected = smol_reference
     model, cfg = load_model(smol_dir, torch.float32, linear_backend="mkl")
     assert fuse_layers(model) is not None
-    kv = make_kv(cfg, kv_mode, layout, num_slots=len(prompts), max_model_len=128)
-    try:
-        got = greedy_generate(model, kv, prompts, SMOL_NEW_TOKENS)
-    finally:
-        kv.close()
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} ({SMOL_PROMPTS[i][1]!r}) diverged"
+    assert_smol_greedy(model, cfg, smol_reference, kv_mode, layout)
 
 
 def test_compile_falls_back_to_eager_with_one_warning(caplog: pytest.LogCaptureFixture,

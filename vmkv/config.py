@@ -197,13 +197,13 @@ class EngineConfig:
 
     @property
     def cache(self) -> CacheConfig:
-        """The KV managers' view: every physical page created at start-up (host: one
-        ``fallocate``; CUDA: one ``cuMemCreate`` each), ``premap_pages`` resolved by device."""
+        """The KV managers' view; every physical page is created at start-up on CUDA (on the
+        CPU pages are created as needed, in chunks), ``premap_pages`` resolved by device."""
         shared = {f.name: getattr(self, f.name) for f in fields(CacheConfig)
                   if f.name in self.__dataclass_fields__}
         if self.premap_pages is None:
             shared["premap_pages"] = CPU_PREMAP_PAGES if self.device == "cpu" else 0
-        return CacheConfig(**shared, precreate=True)
+        return CacheConfig(**shared, precreate=self.device != "cpu")
 
 
 def _engine_field(name: str) -> Any:
@@ -219,7 +219,7 @@ class CacheConfig:
     Built by ``EngineConfig.cache`` in the engine; tests and benchmarks build one directly.
     Defaults and checks are EngineConfig's (``premap_pages``: 0 here, the device's default in
     an engine). ``precreate`` (create every physical page at start-up, so the hot path only
-    maps) is what engines do, not a user setting.
+    maps) is derived from the device, not a user setting.
     """
 
     kv_mode: str = _engine_field("kv_mode")

@@ -105,6 +105,9 @@ class HostMemoryBackend(MemoryBackend):
                 raise _os_error(call)
 
     def create_pages(self, first: int, num: int) -> None:
+        if num == 1:
+            self.create_page(first)
+            return
         call = f"fallocate(create pages {first}..{first + num - 1})"
         self.faults.check("create", call)
         offset, n = first * self.page_size, num * self.page_size

@@ -52,6 +52,9 @@ class PagePool:
             ``None`` for no budget.
         partitions: split the ids into this many equal ranges (``num_pages`` is rounded down
             to a multiple); :meth:`allocate` then takes the partition to draw from.
+        create_chunk: when an allocation needs an uncreated page, create up to this many
+            uncreated pages from it on (same partition) in one backend call; the extra ones
+            become idle. 1 creates exactly what is taken.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class PagePool:
         max_idle_pages: int | None = None,
         max_vmas: int | None = None,
         partitions: int = 1,
+        create_chunk: int = 1,
     ) -> None:
         if not 0 < num_pages <= backend.max_pages:
             raise ValueError(
@@ -72,6 +76,9 @@ class PagePool:
             raise ValueError(f"precreate must be in 0..{num_pages}, got {precreate}")
         if not 1 <= partitions <= num_pages:
             raise ValueError(f"partitions must be in 1..{num_pages}, got {partitions}")
+        if create_chunk < 1:
+            raise ValueError(f"create_chunk must be >= 1, got {create_chunk}")
+        self.create_chunk = create_chunk
         num_pages -= num_pages % partitions
         precreate = min(precreate, num_pages)  # "every page" survives the rounding
         if max_idle_pages is not None and max_idle_pages < 0:
@@ -245,21 +252,27 @@ class PagePool:
         if page in self._idle:
             self._idle.discard(page)
         else:
+            # create a chunk from `page` on: uncreated pages of its partition (one call)
+            end = min(page + self.create_chunk, (page // self.partition_size + 1)
+                      * self.partition_size)
+            last = page + 1
+            while last < end and last in self._uncreated:
+                last += 1
             try:
-                self._create(page)
+                self.backend.create_pages(page, last - page)
             except BaseException:
                 heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
                 raise
-            self._uncreated.discard(page)
+            for created in range(page, last):
+                self._created[created] = 1
+                self._uncreated.discard(created)
+            for extra in range(page + 1, last):
+                self._make_idle(extra)
         self.ref_cnt[page] = 1
         self.num_in_use += 1
         self._free_in[page // self.partition_size] -= 1
         self._free_mask[page] = False
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
-
-    def _create(self, page: int) -> None:
-        self.backend.create_page(page)
-        self._created[page] = 1
 
     def _make_idle(self, page: int) -> None:
         self._idle.add(page)
