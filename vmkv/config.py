@@ -157,6 +157,11 @@ class EngineConfig:
         None, "virtual mode pages mapped ahead of need per growth (when free); default: 2 on "
         "the CPU (a third of the map calls), 0 on CUDA (its background mapper maps ahead)",
         minimum=0)
+    precreate_pages: bool = option(
+        False, "virtual mode on the CPU: create every physical page at start-up (one fallocate "
+        "of the whole budget, as paged mode allocates its blocks) instead of on demand; cold "
+        "one-shot runs ~2 % faster, memory no longer follows live tokens (CUDA engines always "
+        "pre-create)")
     max_idle_memory: int | None = option(
         None, "KV memory kept for reuse when no running request needs it (idle slots' pages, "
         "pages only the prefix cache holds and idle pool pages together); beyond it, memory is "
@@ -203,7 +208,7 @@ class EngineConfig:
                   if f.name in self.__dataclass_fields__}
         if self.premap_pages is None:
             shared["premap_pages"] = CPU_PREMAP_PAGES if self.device == "cpu" else 0
-        return CacheConfig(**shared, precreate=self.device != "cpu")
+        return CacheConfig(**shared, precreate=self.device != "cpu" or self.precreate_pages)
 
 
 def _engine_field(name: str) -> Any:
