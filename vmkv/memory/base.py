@@ -105,9 +105,9 @@ class MemoryBackend(ABC):
         """Commit physical memory for ``page_id`` (CUDA ``cuMemCreate``; host ``fallocate``)."""
 
     def create_pages(self, first: int, num: int) -> None:
-        """Create pages ``first .. first+num-1`` (all or none: a failure releases the ones this
-        call created, then raises). Backends that can commit a range in one call override it
-        (host: one ``fallocate``)."""
+        """Create the uncreated pages ``first .. first+num-1`` (all or none: a failure
+        releases the ones this call created, then raises). Backends that can commit a range in
+        one call override it (host: one ``fallocate``)."""
         done = 0
         try:
             for page in range(first, first + num):

@@ -109,11 +109,7 @@ class PagePool:
         self.num_in_use = 0
         self.peak_in_use = 0
         if precreate:  # one backend call for the range (host: one fallocate)
-            self.backend.create_pages(0, precreate)
-            for page in range(precreate):
-                self._created[page] = 1
-                self._uncreated.discard(page)
-                self._make_idle(page)
+            self._create_run(0, precreate)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -249,9 +245,7 @@ class PagePool:
         raise AssertionError("page pool accounting is broken: no free page although num_free > 0")
 
     def _take(self, page: int) -> None:
-        if page in self._idle:
-            self._idle.discard(page)
-        else:
+        if page not in self._idle:
             # create a chunk from `page` on: uncreated pages of its partition (one call)
             end = min(page + self.create_chunk, (page // self.partition_size + 1)
                       * self.partition_size)
@@ -259,20 +253,24 @@ class PagePool:
             while last < end and last in self._uncreated:
                 last += 1
             try:
-                self.backend.create_pages(page, last - page)
+                self._create_run(page, last)
             except BaseException:
                 heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
                 raise
-            for created in range(page, last):
-                self._created[created] = 1
-                self._uncreated.discard(created)
-            for extra in range(page + 1, last):
-                self._make_idle(extra)
+        self._idle.discard(page)
         self.ref_cnt[page] = 1
         self.num_in_use += 1
         self._free_in[page // self.partition_size] -= 1
         self._free_mask[page] = False
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+
+    def _create_run(self, first: int, last: int) -> None:
+        """Create the uncreated pages ``first .. last-1`` in one backend call; they are idle."""
+        self.backend.create_pages(first, last - first)
+        for page in range(first, last):
+            self._created[page] = 1
+            self._uncreated.discard(page)
+            self._make_idle(page)
 
     def _make_idle(self, page: int) -> None:
         self._idle.add(page)
