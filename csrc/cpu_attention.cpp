@@ -6,12 +6,13 @@
 //   block table (paged mode):   row(b, t) = table[b][t / bs] * bs + t % bs
 // and the element address is  base + row * stride_row + kv_head * stride_head + d.
 // Same loops, same arithmetic order in both modes, so both produce bit-identical outputs for the
-// same data. Nothing at or past seq_lens[b] is read. float32 only (these CPUs have no fast bf16).
+// same data. Nothing at or past seq_lens[b] is read. q, k, v and out are float32 or bfloat16
+// (widened on load, float32 arithmetic, rounded on store: cpu_vec.h).
 //
 // Built by vmkv/kernels/cpu_attention.py with g++ -O3 -march=native -fopenmp into a cached shared
 // library and called through ctypes: no torch headers, so it compiles in about a second. Where
 // the CPU has AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) the inner loops are intrinsics,
-// written once over the small vector layer below (scores as one FMA chain per row, the tile's
+// written once over the small vector layer of cpu_vec.h (scores as one FMA chain per row, the tile's
 // exponentials a vector at a time, accumulators held in registers across a tile: the compiler
 // kept them in memory and the exponentials scalar); elsewhere portable loops. Without these
 // intrinsics the decode kernel ran 9x slower on an AVX2 machine (15.8 vs 1.8 ms per layer).
@@ -26,66 +27,12 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#define VMKV_VECTOR 1
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using vfloat = __m512;
-inline vfloat vzero() { return _mm512_setzero_ps(); }
-inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
-inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
-inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
-inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
-inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
-inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
-inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-inline vfloat vfloor(vfloat x) {
-  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-}
-inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23));
-}
-inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
-inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << live) - 1u), x);
-}
-#elif defined(VMKV_VECTOR)
-constexpr int64_t kLanes = 8;
-using vfloat = __m256;
-inline vfloat vzero() { return _mm256_setzero_ps(); }
-inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
-inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
-inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
-inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
-inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
-inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
-inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-inline vfloat vfloor(vfloat x) {
-  return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-}
-inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23));
-}
-inline float vsum(vfloat x) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), lane);
-  return _mm256_and_ps(x, _mm256_castsi256_ps(keep));
-}
-#endif
+using namespace vmkv;
+
 
 template <bool PAGED>
 inline int64_t row_of(int64_t b, int64_t t, const int64_t* starts, const int32_t* table,
@@ -100,7 +47,7 @@ inline int64_t row_of(int64_t b, int64_t t, const int64_t* starts, const int32_t
 
 constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
 
-inline void prefetch_row(const float* row, int64_t bytes) {
+inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
@@ -178,12 +125,13 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
   }
 }
 // Scores of a tile: p[r * kTile + j] = q_r . k_j for the group's rows r and tokens j < n.
-inline void tile_scores(const float* qs, int64_t group, int64_t dim, const float* const* krow,
+template <typename T>
+inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* const* krow,
                         int64_t n, float* p) {
 #if defined(VMKV_VECTOR)
   if (dim % kLanes == 0) {  // one FMA chain per (row, token), one reduction at the end
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = krow[j];
+      const T* kr = krow[j];
       for (int64_t r = 0; r < group; ++r) {
         const float* qr = qs + r * dim;
         vfloat s = vmul(vload(qr), vload(kr));
@@ -199,14 +147,15 @@ inline void tile_scores(const float* qs, int64_t group, int64_t dim, const float
       const float* qr = qs + r * dim;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * krow[j][d];
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * to_float(krow[j][d]);
       p[r * kTile + j] = dot;
     }
   }
 }
 
 // acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n.
-inline void tile_values(const float* p, int64_t group, int64_t dim, const float* const* vrow,
+template <typename T>
+inline void tile_values(const float* p, int64_t group, int64_t dim, const T* const* vrow,
                         int64_t n, float* acc) {
 #if defined(VMKV_VECTOR)
   if (dim % kLanes == 0) {  // pieces of acc stay in registers across the tile, 4 chains at once
@@ -241,29 +190,30 @@ inline void tile_values(const float* p, int64_t group, int64_t dim, const float*
       const float pj = p[r * kTile + j];
       float* a = acc + r * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += pj * vrow[j][d];
+      for (int64_t d = 0; d < dim; ++d) a[d] += pj * to_float(vrow[j][d]);
     }
   }
 }
 
 // The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), which decode
 // stores at each request's last token (seq_lens[b] - 1) before attending; k == nullptr: none.
+template <typename T>
 struct NewRows {
-  const float* k = nullptr;
+  const T* k = nullptr;
   int64_t k_stride_b = 0, k_stride_h = 0;
-  const float* v = nullptr;
+  const T* v = nullptr;
   int64_t v_stride_b = 0, v_stride_h = 0;
 };
 
-template <bool PAGED>
-void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float* k,
-            const float* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+template <typename T, bool PAGED>
+void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
+            const T* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
             const int32_t* table, int64_t table_stride, int64_t block_size,
             const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-            float scale, float* out, int64_t out_stride_b, int64_t out_stride_h,
-            const NewRows& fresh) {
+            float scale, T* out, int64_t out_stride_b, int64_t out_stride_h,
+            const NewRows<T>& fresh) {
   const int64_t group = heads / kv_heads;
-  const int64_t head_bytes = dim * 4;
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(T));
   // A task is a request's KV heads [kvh0, kvh0 + span): all of them (each token's K and V rows
   // of every head are read together, one stream per request) unless there are too few requests
   // to keep the threads busy; then one head each. Each head's arithmetic is the same either way.
@@ -281,7 +231,7 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
     std::vector<float> p(static_cast<size_t>(group * kTile));    // [group, tile]
     std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
     std::vector<int64_t> rows(static_cast<size_t>(kTile));
-    std::vector<const float*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
+    std::vector<const T*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * splits; ++task) {
       const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
@@ -289,17 +239,17 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
       if (fresh.k != nullptr && len > 0) {  // store the new token's K/V rows of these heads
         const int64_t row = row_of<PAGED>(b, len - 1, starts, table, table_stride, block_size);
         for (int64_t h = kvh0; h < kvh1; ++h) {
-          std::memcpy(const_cast<float*>(k) + row * stride_row + h * stride_head,
+          std::memcpy(const_cast<T*>(k) + row * stride_row + h * stride_head,
                       fresh.k + b * fresh.k_stride_b + h * fresh.k_stride_h, head_bytes);
-          std::memcpy(const_cast<float*>(v) + row * stride_row + h * stride_head,
+          std::memcpy(const_cast<T*>(v) + row * stride_row + h * stride_head,
                       fresh.v + b * fresh.v_stride_b + h * fresh.v_stride_h, head_bytes);
         }
       }
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
-        const float* src = q + b * q_stride_b + r * q_stride_h;
+        const T* src = q + b * q_stride_b + r * q_stride_h;
         float* dst = qs.data() + r * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * scale;
       }
       std::fill(acc.begin() + kvh0 * group * dim, acc.begin() + kvh1 * group * dim, 0.0f);
       std::fill(m.begin() + kvh0 * group, m.begin() + kvh1 * group, -INFINITY);
@@ -333,11 +283,10 @@ void decode(const float* q, int64_t q_stride_b, int64_t q_stride_h, const float*
         }
       }
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
-        float* o = out + b * out_stride_b + r * out_stride_h;
+        T* o = out + b * out_stride_b + r * out_stride_h;
         const float* a = acc.data() + r * dim;
         const float inv = len > 0 ? 1.0f / sum[r] : 0.0f;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
+        for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(a[d] * inv);
       }
     }
   }
@@ -353,13 +302,13 @@ constexpr int64_t kQTile = 16;  // query tokens per task
 
 constexpr int64_t kKTile = kTile;  // key tokens per tile (tile_values' p layout)
 
-template <bool PAGED>
-void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float* k,
-             const float* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+template <typename T, bool PAGED>
+void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
+             const T* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
              const int32_t* table, int64_t table_stride, int64_t block_size,
              const int32_t* q_start, const int32_t* q_lens, const int32_t* seq_lens,
              int64_t batch, int64_t heads,
-             int64_t kv_heads, int64_t dim, float scale, float* out, int64_t out_stride_t,
+             int64_t kv_heads, int64_t dim, float scale, T* out, int64_t out_stride_t,
              int64_t out_stride_h) {
   const int64_t group = heads / kv_heads;
   std::vector<int64_t> task_b, task_q0;  // one per (request, query tile)
@@ -379,7 +328,7 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
     std::vector<float> kt(static_cast<size_t>(dim * kKTile));     // [dim, tile]
     std::vector<float> m(static_cast<size_t>(max_rows)), l(static_cast<size_t>(max_rows));
     std::vector<int64_t> rows(static_cast<size_t>(kKTile));
-    std::vector<const float*> vrow(static_cast<size_t>(kKTile));
+    std::vector<const T*> vrow(static_cast<size_t>(kKTile));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task_b[task / kv_heads], q0 = task_q0[task / kv_heads];
@@ -387,11 +336,11 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
       const int64_t q_len = q_lens[b], ctx = seq_lens[b] - q_len;
       const int64_t nq = std::min(kQTile, q_len - q0), nrows = nq * group;
       for (int64_t r = 0; r < nrows; ++r) {  // row r: query q0 + r / group, head r % group
-        const float* src = q + (q_start[b] + q0 + r / group) * q_stride_t +
-                           (kvh * group + r % group) * q_stride_h;
+        const T* src = q + (q_start[b] + q0 + r / group) * q_stride_t +
+                       (kvh * group + r % group) * q_stride_h;
         float* dst = qs.data() + r * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + nrows * dim, 0.0f);
       std::fill(m.begin(), m.begin() + nrows, -INFINITY);
@@ -401,8 +350,8 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
         const int64_t nk = std::min(kKTile, kv_end - k0);
         for (int64_t j = 0; j < nk; ++j) {
           rows[j] = row_of<PAGED>(b, k0 + j, starts, table, table_stride, block_size);
-          const float* kr = k + rows[j] * stride_row + kvh * stride_head;
-          for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = kr[d];
+          const T* kr = k + rows[j] * stride_row + kvh * stride_head;
+          for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = to_float(kr[d]);
         }
         for (int64_t j = nk; j < kKTile; ++j) {
           for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = 0.0f;
@@ -438,77 +387,133 @@ void prefill(const float* q, int64_t q_stride_t, int64_t q_stride_h, const float
         tile_values(s.data(), nrows, dim, vrow.data(), nk, acc.data());  // acc += P V
       }
       for (int64_t r = 0; r < nrows; ++r) {
-        float* o = out + (q_start[b] + q0 + r / group) * out_stride_t +
-                   (kvh * group + r % group) * out_stride_h;
+        T* o = out + (q_start[b] + q0 + r / group) * out_stride_t +
+                 (kvh * group + r % group) * out_stride_h;
         const float* a = acc.data() + r * dim;
         const float inv = 1.0f / l[r];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
+        for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(a[d] * inv);
       }
     }
   }
+}
+
+// The element types of q, k, v, out and the new rows (one for all): the CUDA library's codes.
+constexpr int kFloat32 = 0, kBFloat16 = 2;
+
+template <typename T>
+int decode_entry(const void* q, int64_t q_stride_b, int64_t q_stride_h, const void* k,
+                 const void* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+                 const int32_t* table, int64_t table_stride, int64_t block_size,
+                 const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                 int64_t dim, float scale, void* out, int64_t out_stride_b, int64_t out_stride_h,
+                 const void* k_new, int64_t k_new_stride_b, int64_t k_new_stride_h,
+                 const void* v_new, int64_t v_new_stride_b, int64_t v_new_stride_h) {
+  const NewRows<T> fresh{static_cast<const T*>(k_new), k_new_stride_b, k_new_stride_h,
+                         static_cast<const T*>(v_new), v_new_stride_b, v_new_stride_h};
+  const auto* qt = static_cast<const T*>(q);
+  const auto *kt = static_cast<const T*>(k), *vt = static_cast<const T*>(v);
+  auto* ot = static_cast<T*>(out);
+  if (table != nullptr) {
+    if (block_size <= 0) return 1;
+    decode<T, true>(qt, q_stride_b, q_stride_h, kt, vt, stride_row, stride_head, nullptr, table,
+                    table_stride, block_size, seq_lens, batch, heads, kv_heads, dim, scale, ot,
+                    out_stride_b, out_stride_h, fresh);
+  } else {
+    if (starts == nullptr) return 1;
+    decode<T, false>(qt, q_stride_b, q_stride_h, kt, vt, stride_row, stride_head, starts,
+                     nullptr, 0, 1, seq_lens, batch, heads, kv_heads, dim, scale, ot,
+                     out_stride_b, out_stride_h, fresh);
+  }
+  return 0;
+}
+
+template <typename T>
+int prefill_entry(const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+                  const void* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+                  const int32_t* table, int64_t table_stride, int64_t block_size,
+                  const int32_t* q_start, const int32_t* q_lens, const int32_t* seq_lens,
+                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                  void* out, int64_t out_stride_t, int64_t out_stride_h) {
+  const auto* qt = static_cast<const T*>(q);
+  const auto *kt = static_cast<const T*>(k), *vt = static_cast<const T*>(v);
+  auto* ot = static_cast<T*>(out);
+  if (table != nullptr) {
+    if (block_size <= 0) return 1;
+    prefill<T, true>(qt, q_stride_t, q_stride_h, kt, vt, stride_row, stride_head, nullptr,
+                     table, table_stride, block_size, q_start, q_lens, seq_lens, batch, heads,
+                     kv_heads, dim, scale, ot, out_stride_t, out_stride_h);
+  } else {
+    if (starts == nullptr) return 1;
+    prefill<T, false>(qt, q_stride_t, q_stride_h, kt, vt, stride_row, stride_head, starts,
+                      nullptr, 0, 1, q_start, q_lens, seq_lens, batch, heads, kv_heads, dim,
+                      scale, ot, out_stride_t, out_stride_h);
+  }
+  return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-// Returns 0 on success, 1 on bad arguments. With k_new (and v_new) given, entry b's new K/V
-// rows k_new[b], v_new[b] ([batch, kv_heads, dim] at the given strides) are first stored at its
-// token seq_lens[b] - 1; the cache k, v is then written, not only read.
-int vmkv_cpu_decode_attention(const float* q, int64_t q_stride_b, int64_t q_stride_h,
-                              const float* k, const float* v, int64_t stride_row,
+// Returns 0 on success, 1 on bad arguments. dtype: 0 float32, 2 bfloat16 (q, k, v, out and the
+// new rows alike; float32 arithmetic either way). With k_new (and v_new) given, entry b's new
+// K/V rows k_new[b], v_new[b] ([batch, kv_heads, dim] at the given strides) are first stored at
+// its token seq_lens[b] - 1; the cache k, v is then written, not only read.
+int vmkv_cpu_decode_attention(int dtype, const void* q, int64_t q_stride_b, int64_t q_stride_h,
+                              const void* k, const void* v, int64_t stride_row,
                               int64_t stride_head, const int64_t* starts, const int32_t* table,
                               int64_t table_stride, int64_t block_size, const int32_t* seq_lens,
                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                              float scale, float* out, int64_t out_stride_b,
-                              int64_t out_stride_h, const float* k_new, int64_t k_new_stride_b,
-                              int64_t k_new_stride_h, const float* v_new,
+                              float scale, void* out, int64_t out_stride_b,
+                              int64_t out_stride_h, const void* k_new, int64_t k_new_stride_b,
+                              int64_t k_new_stride_h, const void* v_new,
                               int64_t v_new_stride_b, int64_t v_new_stride_h) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0) return 1;
   if ((k_new == nullptr) != (v_new == nullptr)) return 1;
-  const NewRows fresh{k_new, k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
-                      v_new_stride_h};
-  if (table != nullptr) {
-    if (block_size <= 0) return 1;
-    decode<true>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, nullptr, table,
-                 table_stride, block_size, seq_lens, batch, heads, kv_heads, dim, scale, out,
-                 out_stride_b, out_stride_h, fresh);
-  } else {
-    if (starts == nullptr) return 1;
-    decode<false>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, nullptr, 0,
-                  1, seq_lens, batch, heads, kv_heads, dim, scale, out, out_stride_b,
-                  out_stride_h, fresh);
+  if (dtype == kFloat32) {
+    return decode_entry<float>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
+                               table, table_stride, block_size, seq_lens, batch, heads,
+                               kv_heads, dim, scale, out, out_stride_b, out_stride_h, k_new,
+                               k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
+                               v_new_stride_h);
   }
-  return 0;
+  if (dtype == kBFloat16) {
+    return decode_entry<bf16>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
+                              table, table_stride, block_size, seq_lens, batch, heads, kv_heads,
+                              dim, scale, out, out_stride_b, out_stride_h, k_new,
+                              k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
+                              v_new_stride_h);
+  }
+  return 1;
 }
 
-// Prefill chunks (see prefill above); returns 0 on success, 1 on bad arguments.
-int vmkv_cpu_prefill_attention(const float* q, int64_t q_stride_t, int64_t q_stride_h,
-                               const float* k, const float* v, int64_t stride_row,
+// Prefill chunks (see prefill above), dtype as for decode; returns 0 on success, 1 on bad
+// arguments.
+int vmkv_cpu_prefill_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h,
+                               const void* k, const void* v, int64_t stride_row,
                                int64_t stride_head, const int64_t* starts, const int32_t* table,
                                int64_t table_stride, int64_t block_size,
                                const int32_t* q_start, const int32_t* q_lens,
                                const int32_t* seq_lens, int64_t batch, int64_t heads,
-                               int64_t kv_heads, int64_t dim, float scale, float* out,
+                               int64_t kv_heads, int64_t dim, float scale, void* out,
                                int64_t out_stride_t, int64_t out_stride_h) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0) return 1;
   for (int64_t b = 0; b < batch; ++b) {
     if (q_start[b] < 0 || q_lens[b] < 0 || seq_lens[b] < q_lens[b]) return 1;
   }
-  if (table != nullptr) {
-    if (block_size <= 0) return 1;
-    prefill<true>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, nullptr, table,
-                  table_stride, block_size, q_start, q_lens, seq_lens, batch, heads, kv_heads,
-                  dim, scale,
-                  out, out_stride_t, out_stride_h);
-  } else {
-    if (starts == nullptr) return 1;
-    prefill<false>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, starts, nullptr,
-                   0, 1, q_start, q_lens, seq_lens, batch, heads, kv_heads, dim, scale, out,
-                   out_stride_t, out_stride_h);
+  if (dtype == kFloat32) {
+    return prefill_entry<float>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, starts,
+                                table, table_stride, block_size, q_start, q_lens, seq_lens,
+                                batch, heads, kv_heads, dim, scale, out, out_stride_t,
+                                out_stride_h);
   }
-  return 0;
+  if (dtype == kBFloat16) {
+    return prefill_entry<bf16>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, starts,
+                               table, table_stride, block_size, q_start, q_lens, seq_lens,
+                               batch, heads, kv_heads, dim, scale, out, out_stride_t,
+                               out_stride_h);
+  }
+  return 1;
 }
 
 }  // extern "C"

@@ -32,27 +32,39 @@ def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
+#: the kernels' element types, and how close to the float32 reference each output must be (a
+#: bfloat16 output is the float32 result rounded: relative error <= 2^-9, plus summation order)
+DTYPES = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+
+
+def close_to(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` (the kernel's output in ``dtype``) is the float32 ``want`` up to ``dtype``."""
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **DTYPES[dtype])
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[torch.Tensor],
               scale: float) -> torch.Tensor:
     return torch.cat([attend_one(q[b : b + 1], k[r], v[r], len(r) - 1, scale)
                       for b, r in enumerate(rows)])
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 2)])
 def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int,
-                                                   kernel_build: str) -> None:
+                                                   dtype: torch.dtype, kernel_build: str) -> None:
     torch.manual_seed(heads)
     batch, dim, slot, bs = 6, 64, 96, 16
     # an all-layers style view: token stride covers 4 layers x (k, v)
-    cache = torch.randn(batch * slot, 4, 2, kv_heads, dim)
+    cache = torch.randn(batch * slot, 4, 2, kv_heads, dim).to(dtype)
     k, v = cache[:, 2, 0], cache[:, 2, 1]  # [rows, kv_heads, dim], strided
     lens = torch.tensor([1, 17, 16, 95, 40, 64], dtype=torch.int32)
     starts = torch.arange(batch) * slot
-    q = torch.randn(batch, heads, dim)
+    q = torch.randn(batch, heads, dim).to(dtype)
     rows = [torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist(), strict=True)]
-    want = reference(q, k, v, rows, 0.125)
+    want = reference(q.float(), k.float(), v.float(), rows, 0.125)
     got = cpu_attention.decode(q, k, v, lens, 0.125, starts=starts)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    close_to(got, want, dtype)
     identity = (starts // bs)[:, None] + torch.arange(slot // bs)  # same rows, by table
     paged = cpu_attention.decode(q, k, v, lens, 0.125, block_table=identity, block_size=bs)
     assert torch.equal(paged, got)  # one kernel body: bit-identical in both modes
@@ -65,7 +77,7 @@ def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int,
     # a shuffled block pool: copy each request's blocks to random places
     num_blocks = batch * slot // bs
     perm = torch.randperm(num_blocks)
-    pool_k = torch.full((num_blocks * bs, kv_heads, dim), float("nan"))
+    pool_k = torch.full((num_blocks * bs, kv_heads, dim), float("nan"), dtype=dtype)
     pool_v = pool_k.clone()
     table = perm.view(batch, slot // bs)
     for b in range(batch):
@@ -75,63 +87,67 @@ def test_contiguous_and_block_table_agree_with_sdpa(heads: int, kv_heads: int,
             pool_k[dst], pool_v[dst] = k[src], v[src]
     shuffled = cpu_attention.decode(q, pool_k, pool_v, lens, 0.125, block_table=table,
                                     block_size=bs)
-    torch.testing.assert_close(shuffled, want, atol=2e-6, rtol=1e-5)  # no NaN read
+    assert torch.equal(shuffled, got)  # the same rows in other places; no NaN read
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 2)])
 def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads: int,
+                                                           dtype: torch.dtype,
                                                            kernel_build: str) -> None:
     torch.manual_seed(heads)
     dim, slot, bs = 64, 128, 16
     # (context, new tokens): fresh prompts, chunks after a context, tile edges (16, 17, 33)
     chunks = [(0, 37), (10, 16), (0, 17), (90, 33), (5, 2), (0, 128)]
-    cache = torch.randn(len(chunks) * slot, 4, 2, kv_heads, dim)
+    cache = torch.randn(len(chunks) * slot, 4, 2, kv_heads, dim).to(dtype)
     k, v = cache[:, 2, 0], cache[:, 2, 1]  # [rows, kv_heads, dim], strided
     starts = torch.arange(len(chunks)) * slot
     q_lens = torch.tensor([n for _, n in chunks])
     q_start = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)[:-1]])
     seq_lens = torch.tensor([c + n for c, n in chunks])
-    q = torch.randn(int(q_lens.sum()), heads, dim)
-    want = torch.cat([attend_one(q[s : s + n], k[r : r + c + n], v[r : r + c + n], c, 0.125)
+    q = torch.randn(int(q_lens.sum()), heads, dim).to(dtype)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    want = torch.cat([attend_one(qf[s : s + n], kf[r : r + c + n], vf[r : r + c + n], c, 0.125)
                       for (c, n), s, r in zip(chunks, q_start.tolist(), starts.tolist(),
                                               strict=True)])
-    got = torch.full_like(want, float("nan"))
+    got = torch.full_like(want, float("nan"), dtype=dtype)
     cpu_attention.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, got, starts=starts)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    close_to(got, want, dtype)
     identity = (starts // bs)[:, None] + torch.arange(slot // bs)
-    paged = torch.full_like(want, float("nan"))
+    paged = torch.full_like(want, float("nan"), dtype=dtype)
     cpu_attention.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, paged,
                           block_table=identity, block_size=bs)
     assert torch.equal(paged, got)  # one kernel body: bit-identical in both modes
     # a subset of the entries writes only its own rows of out
-    some = torch.full_like(want, 7.0)
+    some = torch.full_like(want, 7.0, dtype=dtype)
     cpu_attention.prefill(q, k, v, q_start[1:2], q_lens[1:2], seq_lens[1:2], 0.125, some,
                           starts=starts[1:2])
     rows = slice(int(q_start[1]), int(q_start[1] + q_lens[1]))
     assert torch.equal(some[rows], got[rows]) and (some[: rows.start] == 7.0).all()
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("batch", [3, 64])  # a task per (request, head) / per request
-def test_decode_stores_the_new_rows_then_attends(paged: bool, batch: int,
+def test_decode_stores_the_new_rows_then_attends(paged: bool, batch: int, dtype: torch.dtype,
                                                  kernel_build: str) -> None:
     torch.manual_seed(batch)
     heads, kv_heads, dim, slot, bs = 9, 3, 64, 48, 16
-    k = torch.randn(batch * slot, kv_heads, dim)
-    v = torch.randn(batch * slot, kv_heads, dim)
+    k = torch.randn(batch * slot, kv_heads, dim).to(dtype)
+    v = torch.randn(batch * slot, kv_heads, dim).to(dtype)
     lens = torch.randint(1, slot + 1, (batch,), dtype=torch.int32)
     starts = torch.arange(batch) * slot
     new_rows = starts + lens.to(torch.int64) - 1  # each request's last token
     k[new_rows], v[new_rows] = float("nan"), float("nan")  # not yet written
     # the model's layout: K and V heads are slices of one [B, Hq + 2 Hkv, D] tensor
-    qkv = torch.randn(batch, heads + 2 * kv_heads, dim)
+    qkv = torch.randn(batch, heads + 2 * kv_heads, dim).to(dtype)
     q, k_new, v_new = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     addressing = (dict(block_table=(starts // bs)[:, None] + torch.arange(slot // bs),
                        block_size=bs) if paged else dict(starts=starts))
     want_k, want_v = k.clone(), v.clone()
     want_k[new_rows], want_v[new_rows] = k_new, v_new
     want = cpu_attention.decode(q, want_k, want_v, lens, 0.125, **addressing)
-    out = torch.full((batch, heads * dim), float("nan"))
+    out = torch.full((batch, heads * dim), float("nan"), dtype=dtype)
     got = cpu_attention.decode(q, k, v, lens, 0.125, new_kv=(k_new, v_new), out=out,
                                **addressing)
     assert got is out and torch.equal(got, want)
@@ -145,7 +161,7 @@ def test_bad_arguments_are_value_errors() -> None:
     lens = torch.tensor([2], dtype=torch.int32)
     with pytest.raises(ValueError, match="exactly one of starts or block_table"):
         cpu_attention.decode(q, k, k, lens, 1.0)
-    with pytest.raises(ValueError, match="float32 only"):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_attention.decode(q.half(), k.half(), k.half(), lens, 1.0, starts=torch.zeros(1))
     with pytest.raises(ValueError, match="bad arguments"):
         cpu_attention.decode(torch.randn(1, 3, 8), k, k, lens, 1.0, starts=torch.zeros(1))

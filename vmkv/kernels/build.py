@@ -1,6 +1,6 @@
 """Compile a C/C++/CUDA source into a cached shared library and open it with ctypes.
 
-Builds are keyed by the source's hash and the flags (and, for ``-march=native``, the CPU's
+Builds are keyed by the hash of the source and its local headers, and the flags (and, for ``-march=native``, the CPU's
 instruction sets: a cache directory shared between machines must not hand an AVX-512 build to
 a CPU without AVX-512), cached under ``$VMKV_BUILD_DIR`` (default
 ``~/.cache/vmkv/csrc``) and published with an atomic rename, so concurrent builders never load a
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,7 +41,7 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
     if not source.is_file():
         raise RuntimeError(f"kernel source {source} is missing (vmkv needs its source tree)")
     key = " ".join(flags) + (cpu_features() if "-march=native" in flags else "")
-    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_bytes(source) + key.encode()).hexdigest()[:16]
     out = Path(out_dir).expanduser() if out_dir else envs.build_dir()
     lib_path = out / f"{name}_{digest}.so"
     if lib_path.exists():
@@ -55,6 +56,14 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
         raise RuntimeError(f"build failed ({' '.join(cmd)}):\n{proc.stderr}")
     os.replace(tmp, lib_path)
     return lib_path
+
+
+def _source_bytes(source: Path) -> bytes:
+    """``source`` and the local headers it includes (``#include "x.h"`` next to it), so a build
+    is rebuilt when a header it uses changes."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return text + b"".join((source.parent / h.decode()).read_bytes() for h in sorted(headers))
 
 
 def _cpuinfo(*fields: str) -> str | None:

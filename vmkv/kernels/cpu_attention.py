@@ -4,7 +4,7 @@ One call per layer covers every decoding request (:func:`decode`), and one every
 (:func:`prefill`: many queries per request, causal after its cached context): contiguous slots
 (virtual mode, row ``start + t``) or a block table (paged mode, row ``table[t // bs] * bs +
 t % bs``). The same loops run in both modes, so they produce bit-identical outputs on the same
-data. float32 only.
+data. float32 or bfloat16 tensors (q, K/V and out alike; float32 arithmetic either way).
 
 The library builds once with ``g++ -O3 -fopenmp`` (about a second; cached, see
 :mod:`vmkv.kernels.build`). Where no compiler is available :func:`available` is False and the
@@ -23,7 +23,10 @@ from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 SOURCE = CSRC / "cpu_attention.cpp"
 FLAGS = CPU_FLAGS
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+#: the kernels' element types and their codes in the C ABI
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 _ARGTYPES = [
+    ctypes.c_int,  # element type (DTYPE_CODES)
     _PTR, _I64, _I64,  # q, q strides (batch, head)
     _PTR, _PTR, _I64, _I64,  # k, v, row stride, head stride
     _PTR, _PTR, _I64, _I64,  # starts, block table, table row stride, block size
@@ -33,7 +36,7 @@ _ARGTYPES = [
 ]
 
 
-_PREFILL_ARGTYPES = _ARGTYPES[:11] + [_PTR, _PTR] + _ARGTYPES[11:]  # + q starts, q lens
+_PREFILL_ARGTYPES = _ARGTYPES[:12] + [_PTR, _PTR] + _ARGTYPES[12:]  # + q starts, q lens
 _DECODE_ARGTYPES = _ARGTYPES + [_PTR, _I64, _I64, _PTR, _I64, _I64]  # + new k, v and strides
 
 
@@ -71,8 +74,9 @@ def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
     lib = _lib()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    if q.dtype != torch.float32 or k_rows.dtype != torch.float32:
-        raise ValueError(f"the CPU {kind} kernel is float32 only, got {q.dtype}/{k_rows.dtype}")
+    if q.dtype not in DTYPE_CODES or k_rows.dtype != q.dtype or v_rows.dtype != q.dtype:
+        raise ValueError(f"the CPU {kind} kernel takes float32 or bfloat16 q and K/V of one "
+                         f"dtype, got {q.dtype}/{k_rows.dtype}/{v_rows.dtype}")
     if (starts is None) == (block_table is None):
         raise ValueError("give exactly one of starts or block_table")
     if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
@@ -96,27 +100,27 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
     ``new_kv = (k, v)`` (each ``[B, kv_heads, D]``, unit stride in D) the kernel first stores
     request ``b``'s new rows ``k[b], v[b]`` at its token ``seq_lens[b] - 1`` (the write and the
     attention in one pass). Returns ``[B, heads * D]`` float32: ``out`` when given (that shape,
-    contiguous), else a new tensor.
+    contiguous), else a new tensor; all in ``q``'s dtype (float32 or bfloat16).
     """
     lib, starts, block_table, table_stride = _checked("decode", q, k_rows, v_rows, starts,
                                                       block_table)
     batch, heads, dim = q.shape
     kv_heads = k_rows.shape[1]
     if out is None:
-        out = torch.empty(batch, heads * dim, dtype=torch.float32)
-    elif out.shape != (batch, heads * dim) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous [{batch}, {heads * dim}], got "
-                         f"{tuple(out.shape)}")
+        out = torch.empty(batch, heads * dim, dtype=q.dtype)
+    elif out.shape != (batch, heads * dim) or not out.is_contiguous() or out.dtype != q.dtype:
+        raise ValueError(f"out must be contiguous {q.dtype} [{batch}, {heads * dim}], got "
+                         f"{out.dtype} {tuple(out.shape)}")
     k_new = v_new = None
     if new_kv is not None:
         k_new, v_new = new_kv
         for t in (k_new, v_new):
             if t.shape != (batch, kv_heads, dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
-                raise ValueError(f"new K/V rows must be float32 [{batch}, {kv_heads}, {dim}] "
+                raise ValueError(f"new K/V rows must be {q.dtype} [{batch}, {kv_heads}, {dim}] "
                                  f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_decode_attention(
-        q.data_ptr(), q.stride(0), q.stride(1),
+        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
@@ -147,13 +151,13 @@ def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start
     lib, starts, block_table, table_stride = _checked("prefill", q, k_rows, v_rows, starts,
                                                       block_table)
     tokens, heads, dim = q.shape
-    if out.dtype != torch.float32 or out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
-        raise ValueError(f"out must be float32 [{tokens}, {heads * dim}], got {out.dtype} "
+    if out.dtype != q.dtype or out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
+        raise ValueError(f"out must be {q.dtype} [{tokens}, {heads * dim}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     q_start, q_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_lens))
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_prefill_attention(
-        q.data_ptr(), q.stride(0), q.stride(1),
+        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0), k_rows.stride(1),
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,

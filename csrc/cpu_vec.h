@@ -1,0 +1,133 @@
+// The CPU kernels' small vector layer (csrc/cpu_*.cpp), written once for AVX-512 (16 float lanes),
+// AVX2 with FMA (8 lanes) or neither (VMKV_VECTOR undefined: portable loops), plus bfloat16
+// storage: bf16 values are the upper 16 bits of a float32, widened on load (a shift, exact) and
+// rounded to nearest-even on store (what torch's float -> bfloat16 conversion does), so kernels
+// keep float32 arithmetic for any element type. Header-only, no torch: the kernel build hashes
+// it with each source that includes it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define VMKV_VECTOR 1
+#endif
+
+
+namespace vmkv {
+
+// bfloat16 as stored (the upper half of a float32's bits)
+using bf16 = uint16_t;
+
+inline float bf16_to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet (torch's c10::BFloat16 conversion).
+inline bf16 float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) return static_cast<bf16>((bits >> 16) | 0x40);
+  return static_cast<bf16>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// A value of element type T (float or bf16) as float, and back (bf16: rounded).
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return bf16_to_float(x); }
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+// x rounded to bfloat16 precision, kept as a float (a bf16 tensor's value between two ops)
+inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vfloor(vfloat x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23));
+}
+inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
+inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << live) - 1u), x);
+}
+#elif defined(VMKV_VECTOR)
+constexpr int64_t kLanes = 8;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vfloor(vfloat x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23));
+}
+inline float vsum(vfloat x) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), lane);
+  return _mm256_and_ps(x, _mm256_castsi256_ps(keep));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline vfloat vload(const bf16* p) {  // 16 bf16 -> 16 floats
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void vstore(bf16* p, vfloat x) {  // round to nearest even (NaN: as float_to_bf16)
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+#elif defined(VMKV_VECTOR)
+inline vfloat vload(const bf16* p) {  // 8 bf16 -> 8 floats
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void vstore(bf16* p, vfloat x) {
+  alignas(32) float f[kLanes];
+  _mm256_store_ps(f, x);
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = float_to_bf16(f[i]);
+}
+#endif
+
+}  // namespace vmkv
