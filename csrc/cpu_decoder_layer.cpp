@@ -26,7 +26,11 @@
 #include <cstring>
 #include <ctime>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using vmkv::exp_approx;
 
 // MKL's CBLAS constants (mkl_cblas.h) and cblas_sgemm_compute's signature (LP64: MKL_INT = int)
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
@@ -126,27 +130,6 @@ void rope_row(float* x, const float* cos, const float* ssin, int64_t heads, int6
       p[i + half] = x2 * cos[i + half] + x1 * ssin[i + half];
     }
   }
-}
-
-// exp(x) for float32, Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r,
-// times 2^n built in the exponent bits (~1 ulp; written so the compiler vectorises it).
-inline float exp_approx(float x) {
-  x = x < 88.3762626647949f ? x : 88.3762626647949f;
-  x = x > -87.3365447505531f ? x : -87.3365447505531f;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // gate[i] = silu(gate[i]) * up[i] over `n` values.

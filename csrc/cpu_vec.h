@@ -42,6 +42,27 @@ inline float to_float(bf16 x) { return bf16_to_float(x); }
 template <typename T> inline T from_float(float x);
 template <> inline float from_float<float>(float x) { return x; }
 template <> inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+// exp(x) for float32, Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r,
+// times 2^n built in the exponent bits (~1 ulp; written so the compiler vectorises it).
+inline float exp_approx(float x) {
+  x = x < 88.3762626647949f ? x : 88.3762626647949f;
+  x = x > -87.3365447505531f ? x : -87.3365447505531f;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // x rounded to bfloat16 precision, kept as a float (a bf16 tensor's value between two ops)
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vmkv import envs
+from vmkv.cpu_info import bf16_hardware
 
 KV_MODES = ("virtual", "paged")
 LAYOUTS = ("all-layers", "per-layer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
-LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn")  # vmkv.models.linear
+LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
 #: ``premap_pages`` of CPU engines unless set: a growth maps 3 pages, not 1, in each region
 #: (cold runs of the vLLM workload: time in ``allocate`` 0.62 -> 0.35 s; docs/benchmarks.md)
 CPU_PREMAP_PAGES = 2
@@ -134,8 +135,8 @@ class EngineConfig:
         120, "seconds a collective waits for a rank before the engine fails (a rank that "
         "dies fails it at once)", minimum=1)
     dtype: str = option(
-        "auto", "weights and KV dtype; auto: float32 on CPU (these CPUs have no fast bf16), "
-        "bfloat16 on CUDA", choices=DTYPES)
+        "auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bfloat16 "
+        "hardware (AMX-BF16 or AVX512-BF16), float32 on other CPUs", choices=DTYPES)
     max_model_len: int | None = option(
         None, "longest prompt + output; default: the model's limit", minimum=1)
     max_num_seqs: int = option(
@@ -177,9 +178,10 @@ class EngineConfig:
         "sha256", "prefix hash: sha256 (collision-safe across tenants) or builtin",
         choices=PREFIX_CACHE_HASHES)
     linear_backend: str = option(
-        "auto", "CPU float32 linears with weights packed at load: mkl (MKL's packed GEMM), "
-        "onednn, auto (mkl on Intel CPUs, else onednn), or torch (F.linear, bit-for-bit what "
-        "transformers computes)", choices=LINEAR_BACKENDS)
+        "auto", "CPU linears with weights packed at load: mkl (MKL's packed GEMM, float32), "
+        "brgemm (oneDNN's AMX ukernel, bfloat16), onednn, auto (float32: mkl on Intel CPUs, "
+        "else onednn; bfloat16: brgemm on CPUs with bf16 hardware, else onednn), or torch "
+        "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")
@@ -196,9 +198,22 @@ class EngineConfig:
 
     @property
     def torch_dtype_name(self) -> str:
+        """The dtype the engine runs in (``dtype``, or what ``auto`` picks here)."""
+        return self.dtype_choice[0]
+
+    @property
+    def dtype_choice(self) -> tuple[str, str]:
+        """``(dtype, why)``: ``dtype`` as given, or what ``auto`` picks on this device:
+        bfloat16 on CUDA and on CPUs with bfloat16 hardware (AMX-BF16 or AVX512-BF16), float32
+        on other CPUs (bf16 emulated there ran 4-5x slower than float32)."""
         if self.dtype != "auto":
-            return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
+            return self.dtype, "asked for"
+        if self.device != "cpu":
+            return "bfloat16", "auto on CUDA"
+        flags = bf16_hardware()
+        if flags:
+            return "bfloat16", f"auto: this CPU has bfloat16 hardware ({', '.join(flags)})"
+        return "float32", "auto: this CPU has no bfloat16 hardware (amx_bf16 or avx512_bf16)"
 
     @property
     def cache(self) -> CacheConfig:

@@ -2,9 +2,9 @@
 
 A step's decodes go to one batched kernel call per layer, and its prefill chunks to another
 (:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged mode).
-Without the kernels (no compiler, or not float32) each request runs SDPA over its rows: a
-strided view of the slot (virtual, no copy) or a block-table gather (paged). Nothing past a
-request's length is read, so pages beyond it may stay unmapped.
+Without the kernels (no compiler, or neither float32 nor bfloat16) each request runs SDPA over
+its rows: a strided view of the slot (virtual, no copy) or a block-table gather (paged).
+Nothing past a request's length is read, so pages beyond it may stay unmapped.
 """
 
 from __future__ import annotations

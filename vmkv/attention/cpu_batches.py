@@ -4,7 +4,7 @@ A step mixes decodes (1 new token) and prefill chunks (many, causal after the ca
 The CPU backend hands every decode to :func:`vmkv.kernels.cpu_attention.decode` at once and every
 prefill chunk to :func:`vmkv.kernels.cpu_attention.prefill` at once, both reading the cache in
 place (slot rows in virtual mode, block-table rows in paged mode); SDPA per request is the
-fallback (no compiler, or not float32).
+fallback (no compiler, or neither float32 nor bfloat16).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class PrefillBatch:
 
 
 def use_kernels(dtype: torch.dtype) -> bool:
-    """Whether the batched kernels serve this cache (float32 and a C++ compiler present)."""
-    return dtype == torch.float32 and cpu_attention.available()
+    """Whether the batched kernels serve this cache (float32 or bfloat16, and the kernel
+    library built)."""
+    return dtype in cpu_attention.DTYPE_CODES and cpu_attention.available()
 
 
 def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]

@@ -117,8 +117,9 @@ class LLMEngine:
         """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
         kv, cap = self.kv, self.kv.capacity_tokens
         lines = [
-            f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}) "
-            f"on {self.config.device}, loaded in {self.startup_seconds:.1f} s",
+            f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}: "
+            f"{self.config.dtype_choice[1]}) on {self.config.device}, loaded in "
+            f"{self.startup_seconds:.1f} s",
             f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "

@@ -22,6 +22,7 @@ from vmkv import envs
 from vmkv.attention import create_attention_backend
 from vmkv.attention.base import AttentionBackend
 from vmkv.config import EngineConfig
+from vmkv.cpu_info import bf16_hardware
 from vmkv.distributed.collectives import local_only
 from vmkv.engine.front import resolve_max_model_len
 from vmkv.kv import create_kv_cache
@@ -56,6 +57,9 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     """
     device = device or config.device
     dtype = parse_dtype(config.torch_dtype_name)
+    if device == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
+        logger.warning("bfloat16 on a CPU without bfloat16 hardware (amx_bf16, avx512_bf16): "
+                       "it runs emulated, several times slower than float32 (--dtype float32)")
     model, model_config = load_model(model_path, dtype, device,
                                      linear_backend=config.linear_backend,
                                      tensor_parallel=(rank, config.tensor_parallel_size))
@@ -63,7 +67,8 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     kv = create_kv_cache(config.cache, model.config.kv_spec(dtype), num_slots=config.max_num_seqs,
                          max_model_len=max_model_len, device=device)
     attn = create_attention_backend(kv)
-    # CPU float32 with MKL linears: the layers as C++ calls (off: VMKV_FUSED_LAYERS=0);
+    # CPU float32 with MKL linears or bfloat16 with brgemm ones: the layers as C++ calls (off:
+    # VMKV_FUSED_LAYERS=0);
     # otherwise compiled with TorchInductor (off: --enforce-eager or VMKV_COMPILE=0; without a
     # compiler or on a failure: eager, logged). Warm-up without collectives: each rank
     # compiles (or not, or fails) on its own

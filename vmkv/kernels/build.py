@@ -1,8 +1,8 @@
 """Compile a C/C++/CUDA source into a cached shared library and open it with ctypes.
 
-Builds are keyed by the hash of the source and its local headers, and the flags (and, for ``-march=native``, the CPU's
-instruction sets: a cache directory shared between machines must not hand an AVX-512 build to
-a CPU without AVX-512), cached under ``$VMKV_BUILD_DIR`` (default
+Builds are keyed by the hash of the source and its local headers, and the flags (and, for
+``-march=native``, the CPU's instruction sets: a cache directory shared between machines must
+not hand an AVX-512 build to a CPU without AVX-512), cached under ``$VMKV_BUILD_DIR`` (default
 ``~/.cache/vmkv/csrc``) and published with an atomic rename, so concurrent builders never load a
 partial file. The libraries have a plain C ABI and link no torch: no torch headers to compile,
 no dependence on torch's C++ ABI.
@@ -11,11 +11,9 @@ no dependence on torch's C++ ABI.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -24,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vmkv import envs
+from vmkv.cpu_info import cpu_features
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: how the CPU kernels (csrc/cpu_*.cpp) are built
@@ -64,30 +63,6 @@ def _source_bytes(source: Path) -> bytes:
     text = source.read_bytes()
     headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
     return text + b"".join((source.parent / h.decode()).read_bytes() for h in sorted(headers))
-
-
-def _cpuinfo(*fields: str) -> str | None:
-    """The first of ``fields`` in ``/proc/cpuinfo`` (None where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(fields):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-@functools.cache
-def cpu_features() -> str:
-    """This CPU's instruction-set flags (``/proc/cpuinfo``; the machine name elsewhere)."""
-    return _cpuinfo("flags", "Features") or platform.machine() + platform.processor()
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """This CPU's ``vendor_id`` (e.g. ``GenuineIntel``, ``AuthenticAMD``; "" if unknown)."""
-    return _cpuinfo("vendor_id") or ""
 
 
 def load(path: Path) -> ctypes.CDLL:

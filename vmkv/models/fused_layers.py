@@ -1,4 +1,4 @@
-"""The CPU decoder stack as C calls around the attention backend (what a float32 CPU model runs).
+"""The CPU decoder stack as C calls around the attention backend (what a CPU model runs).
 
     x = embed(ids)                                        [T, hidden], updated in place below
     for each layer:
@@ -8,38 +8,66 @@
                                                           SiLU*up, down GEMM, residual (one C call)
     return norm(x)
 
+Two libraries, one per dtype, with the same two calls per layer:
+
+    float32    csrc/cpu_decoder_layer.cpp   MKL's packed sgemm (linear_backend mkl)
+    bfloat16   csrc/cpu_bf16_layer.cpp      oneDNN's brgemm ukernel on AMX (linear_backend
+                                            brgemm), rounding to bf16 where transformers does
+
 It replaces :meth:`LlamaModel.body <vmkv.models.llama.LlamaModel.body>` (``model.run_body``)
-when every layer can take it: float32 on the CPU, the four linears packed for MKL, no per-head
-q/k norm, one tensor-parallel rank, and the kernel library built (:func:`fuse_layers` says why
-not otherwise). Measured against the TorchInductor-compiled layers it replaces: at small decode
-batches those spent ~0.4 ms per layer in framework time around ~0.8 ms of GEMMs
-(docs/benchmarks.md). The attention stays the opaque :func:`vmkv.attention.op.attention` call,
-so both KV modes keep their kernels.
+when every layer can take it: the four linears packed for that library, no per-head q/k norm,
+one tensor-parallel rank, and the library built (:func:`fuse_layers` says why not otherwise).
+Measured against the TorchInductor-compiled layers it replaces: at small decode batches those
+spent ~0.4 ms per layer in framework time around ~0.8 ms of GEMMs (docs/benchmarks.md). The
+attention stays the opaque :func:`vmkv.attention.op.attention` call, so both KV modes keep
+their kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from vmkv.attention.op import attention
-from vmkv.kernels import cpu_decoder_layer as kernels
+from vmkv.kernels import cpu_bf16
+from vmkv.kernels import cpu_decoder_layer as f32_kernels
 from vmkv.models.linear import PackedLinear, mkl_compute_address
 from vmkv.models.llama import LlamaDecoderLayer, LlamaModel
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Library:
+    """One dtype's layer library: the linear backend its weights need and its calls."""
+
+    backend: str  # PackedLinear.backend the calls read
+    act_width: int  # scratch columns per intermediate column: gate|up (2) or SiLU*up (1)
+
+    def lib(self) -> ctypes.CDLL:
+        return f32_kernels.library() if self.backend == "mkl" else cpu_bf16.library()
+
+    def unavailable(self) -> str | None:
+        if self.backend == "mkl":
+            return None if f32_kernels.available() else "the kernel library did not build"
+        return cpu_bf16.unavailable_reason()
+
+
+_LIBRARIES = {torch.float32: _Library("mkl", 2), torch.bfloat16: _Library("brgemm", 1)}
+
+
 class FusedLayers:
-    """``model``'s decoder layers as :mod:`vmkv.kernels.cpu_decoder_layer` calls; build with
-    :func:`fuse_layers`. The model's parameters stay its own (the calls read them in place)."""
+    """``model``'s decoder layers as C calls; build with :func:`fuse_layers`. The model's
+    parameters and packed weights stay its own (the calls read them in place)."""
 
     def __init__(self, model: LlamaModel) -> None:
         cfg = model.config
         self.model = model
-        self.lib = kernels.library()
+        self.library = _LIBRARIES[model.dtype]
+        self.lib = self.library.lib()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.hidden, self.intermediate, self.scale = (
@@ -47,11 +75,19 @@ class FusedLayers:
         self.qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         #: GEMM and elementwise ns, added to while :meth:`profile` is on
         self.ns = torch.zeros(2, dtype=torch.int64)
-        self.shape = kernels.LayerShape(
-            hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-            gemm=mkl_compute_address(), ns=None)
-        self.layers = [ctypes.pointer(_layer_args(layer)) for layer in model.layers]
+        if model.dtype == torch.float32:
+            self.shape: ctypes.Structure = f32_kernels.LayerShape(
+                hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                gemm=mkl_compute_address(), ns=None)
+            self.attn_in, self.attn_out = self.lib.vmkv_layer_attn_in, self.lib.vmkv_layer_attn_out
+        else:
+            self.shape = cpu_bf16.ShapeArgs(
+                hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                gemm=cpu_bf16.gemm_args())
+            self.attn_in, self.attn_out = self.lib.vmkv_bf16_attn_in, self.lib.vmkv_bf16_attn_out
+        self.layers = [ctypes.pointer(_layer_args(layer, model.dtype)) for layer in model.layers]
         #: 2 * (the layers' linear weights): a token's GEMM FLOPs through the stack
         self.flops_per_token = 2 * sum(
             lin.in_features * lin.out_features for layer in model.layers
@@ -59,7 +95,11 @@ class FusedLayers:
 
     def profile(self, on: bool) -> None:
         """Count the calls' GEMM and elementwise time in :attr:`ns` (on) or not (off)."""
-        self.shape.ns = self.ns.data_ptr() if on else None
+        address = self.ns.data_ptr() if on else None
+        if isinstance(self.shape, cpu_bf16.ShapeArgs):
+            self.shape.gemm.ns = address
+        else:
+            self.shape.ns = address
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`LlamaModel.body`: ``input_ids, positions [T]`` -> final-norm hidden
@@ -70,24 +110,28 @@ class FusedLayers:
         t = x.shape[0]
         h = x.new_empty(t, self.hidden)  # scratch: normed input, GEMM outputs
         qkv = x.new_empty(t, self.qkv_width)  # reused by every layer (attention copies K/V)
-        gu = x.new_empty(t, 2 * self.intermediate)  # gate | up, then SiLU(gate)*up | up
+        act = x.new_empty(t, self.library.act_width * self.intermediate)  # MLP activations
         hq, hkv = self.num_heads, self.num_kv_heads
         heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
         q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]  # [T, H, D]
         shape = ctypes.byref(self.shape)
-        x_ptr, h_ptr, gu_ptr = x.data_ptr(), h.data_ptr(), gu.data_ptr()
+        x_ptr, h_ptr, act_ptr = x.data_ptr(), h.data_ptr(), act.data_ptr()
         cos_ptr, sin_ptr, qkv_ptr = cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
         for layer in self.layers:
-            if self.lib.vmkv_layer_attn_in(shape, layer, x_ptr, t, cos_ptr, sin_ptr, h_ptr,
-                                           qkv_ptr):
-                raise ValueError(f"bad shapes for the fused decoder layer (T={t})")
+            _check(self.attn_in(shape, layer, x_ptr, t, cos_ptr, sin_ptr, h_ptr, qkv_ptr), t)
             out = attention(q, k, v, self.scale)  # [T, Hq * D]
             if out.stride(-1) != 1:
                 out = out.contiguous()
-            if self.lib.vmkv_layer_attn_out(shape, layer, x_ptr, t, out.data_ptr(),
-                                            out.stride(0), h_ptr, gu_ptr):
-                raise ValueError(f"bad shapes for the fused decoder layer (T={t})")
+            _check(self.attn_out(shape, layer, x_ptr, t, out.data_ptr(), out.stride(0), h_ptr,
+                                 act_ptr), t)
         return model.norm(x)
+
+
+def _check(err: int, t: int) -> None:
+    if err == 1:
+        raise ValueError(f"bad shapes for the fused decoder layer (T={t})")
+    if err:
+        raise RuntimeError(f"the fused decoder layer's matrix kernel failed (T={t})")
 
 
 def _linears(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
@@ -95,41 +139,49 @@ def _linears(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
             layer.mlp.down_proj)
 
 
-def _linear_args(lin: PackedLinear) -> kernels.PackedLinearArgs:
-    return kernels.PackedLinearArgs(
+def _f32_linear_args(lin: PackedLinear) -> f32_kernels.PackedLinearArgs:
+    return f32_kernels.PackedLinearArgs(
         packed=lin.packed_weight.data_ptr(),
         bias=lin.bias.data_ptr() if lin.bias is not None else None,
         in_features=lin.in_features, out_features=lin.out_features)
 
 
-def _layer_args(layer: LlamaDecoderLayer) -> kernels.DecoderLayerArgs:
-    qkv, o, gate_up, down = (_linear_args(lin) for lin in _linears(layer))  # type: ignore[arg-type]
-    return kernels.DecoderLayerArgs(
-        qkv=qkv, o=o, gate_up=gate_up, down=down,
-        input_norm=layer.input_layernorm.weight.data_ptr(),
-        post_norm=layer.post_attention_layernorm.weight.data_ptr())
+def _layer_args(layer: LlamaDecoderLayer, dtype: torch.dtype) -> ctypes.Structure:
+    if dtype == torch.float32:
+        structure, linear_args = f32_kernels.DecoderLayerArgs, _f32_linear_args
+    else:
+        structure, linear_args = cpu_bf16.LayerArgs, PackedLinear.brgemm_args
+    qkv, o, gate_up, down = (linear_args(lin) for lin in _linears(layer))  # type: ignore[arg-type]
+    return structure(qkv=qkv, o=o, gate_up=gate_up, down=down,
+                     input_norm=layer.input_layernorm.weight.data_ptr(),
+                     post_norm=layer.post_attention_layernorm.weight.data_ptr())
 
 
 def unfusable(model: LlamaModel) -> str | None:
     """Why ``model``'s layers cannot run fused (None if they can)."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"{model.dtype} on {model.device.type} (fused layers are float32 CPU only)"
+    library = _LIBRARIES.get(model.dtype)
+    if model.device.type != "cpu" or library is None:
+        return f"{model.dtype} on {model.device.type} (fused layers are float32/bfloat16 CPU)"
     for layer in model.layers:
-        if any(not (isinstance(lin, PackedLinear) and lin.backend == "mkl")
+        if any(not (isinstance(lin, PackedLinear) and lin.backend == library.backend)
                for lin in _linears(layer)):
-            return "the linears are not packed for MKL (linear_backend)"
+            return f"the linears are not packed for {library.backend} (linear_backend)"
         if layer.self_attn.q_norm is not None:
             return "per-head q/k norms"
         if layer.self_attn.reduce or layer.reduce_mlp:
             return "tensor-parallel shards"
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                    *(lin.bias for lin in _linears(layer) if lin.bias is not None)]
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            return "norm weights or biases that are not contiguous float32"
+        if any(t.dtype != model.dtype or not t.is_contiguous() for t in tensors):
+            return f"norm weights or biases that are not contiguous {model.dtype}"
+        gate_up = layer.mlp.gate_up_proj.packed_weight  # brgemm: [blocks, K/2, bn, 2]
+        if library.backend == "brgemm" and model.config.intermediate_size % gate_up.shape[-2]:
+            return "an intermediate size that is not a whole number of packed column blocks"
     if model.config.head_dim % 2:
         return "an odd head_dim"
-    if not kernels.available():
-        return "the kernel library did not build (see the log)"
+    reason = library.unavailable()
+    if reason is not None:
+        return f"{reason} (see the log)"
     return None
 
 

@@ -1,9 +1,10 @@
-"""CPU linear layers with weights packed once at load time: MKL's packed GEMM or oneDNN's.
+"""CPU linear layers with weights packed once at load time: MKL's, oneDNN's or brgemm tiles.
 
-    backend   weight at load                          per call
-    mkl       cblas_sgemm_pack (MKL's GEMM layout)    cblas_sgemm_compute, any row count
-    onednn    mkldnn._reorder_linear_weight           mkldnn._linear_pointwise
-    torch     as loaded                               F.linear (MKL sgemm: what transformers runs)
+    backend   dtype         weight at load                      per call
+    mkl       float32       cblas_sgemm_pack (MKL's layout)     cblas_sgemm_compute, any rows
+    brgemm    bfloat16      VNNI column blocks (cpu_bf16)       oneDNN's brgemm ukernel (AMX)
+    onednn    either        mkldnn._reorder_linear_weight       mkldnn._linear_pointwise
+    torch     either        as loaded                           F.linear (what transformers runs)
 
 torch's default CPU ``F.linear`` repacks the weight inside every call. Packing once pays at
 decode batch sizes: on the project's 2-core machines oneDNN's packed linear reached ~170-200
@@ -15,6 +16,11 @@ MKL's ``cblas_sgemm_pack``/``cblas_sgemm_compute`` are reached through ctypes in
 measured, and oneDNN elsewhere or where the MKL symbols are missing (MKL on AMD was not
 measured; ``linear_backend="mkl"`` forces it). All three differ only by float reassociation
 (~1e-6 relative); ``mkl`` mostly matches ``F.linear`` bit for bit.
+
+In bfloat16 ``auto`` takes ``brgemm`` where the CPU has bf16 hardware
+(:mod:`vmkv.kernels.cpu_bf16`: oneDNN's AMX ukernel through torch, no per-call set-up, results
+rounded once like ``F.linear``'s), else oneDNN, else ``F.linear``. A packed linear's output is
+its input's dtype, except the LM head's (``out_dtype=float32``: logits are never rounded).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch
 from torch import nn
 
 from vmkv.config import LINEAR_BACKENDS
-from vmkv.kernels.build import cpu_vendor
+from vmkv.cpu_info import cpu_vendor
+from vmkv.kernels import cpu_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -112,37 +119,61 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 _GEMMS = {"mkl": _mkl_linear, "onednn": _onednn_linear}
+#: the backends each dtype can pack for
+PACKED_BACKENDS = {torch.float32: ("mkl", "onednn"), torch.bfloat16: ("brgemm", "onednn")}
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                 out_features: int, backend: str) -> torch.Tensor:
-    """``x [M, K] -> x W^T + b [M, out_features]`` with ``W`` packed for ``backend``."""
+    """``x [M, K] -> x W^T + b [M, out_features]`` with ``W`` packed for ``backend`` (mkl or
+    onednn; brgemm weights are called through :class:`PackedLinear`)."""
     return _GEMMS[backend](x, packed, bias, out_features)
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` packed once for ``backend`` (inference only, float32)."""
+    """``y = x W^T + b`` with ``W`` packed once for ``backend`` (inference only): float32 for
+    mkl, bfloat16 for brgemm, either for onednn. ``out_dtype``: the result's dtype (default the
+    weight's; the brgemm backend can also give float32, for the LM head)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int, backend: str) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int, backend: str,
+                 out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        backend = resolve_backend(backend)  # "auto" picks; one this torch lacks is refused
-        if backend not in _GEMMS:
-            raise ValueError(f"PackedLinear backend must be one of {tuple(_GEMMS)}, "
-                             f"got {backend!r}")
+        dtype = linear.weight.dtype
+        backend = resolve_backend(backend, dtype)  # "auto" picks; one this torch lacks: refused
+        if backend not in PACKED_BACKENDS.get(dtype, ()):
+            raise ValueError(f"PackedLinear backend for {dtype} must be one of "
+                             f"{PACKED_BACKENDS.get(dtype, ())}, got {backend!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.backend = backend
+        self.out_dtype = out_dtype or dtype
+        if self.out_dtype != dtype and backend != "brgemm":
+            raise ValueError(f"only the brgemm backend gives {self.out_dtype} from {dtype}")
         weight = linear.weight.detach()
-        packed = (_mkl_pack(weight, batch_hint) if backend == "mkl"
-                  else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
+        if backend == "brgemm":
+            packed = cpu_bf16.pack_weight(weight, cpu_bf16.block_n(self.out_features))
+        elif backend == "mkl":
+            packed = _mkl_pack(weight, batch_hint)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
+        self._brgemm = None  # (LinearArgs, GemmArgs), built on first use (buffers final)
+
+    def brgemm_args(self) -> cpu_bf16.LinearArgs:
+        """The C view of this brgemm-packed weight (for the fused layers' calls)."""
+        return cpu_bf16.linear_args(self.packed_weight, self.bias, self.in_features,
+                                    self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         if torch.compiler.is_compiling():  # opaque to Inductor: the packed call as it is
             return torch.ops.vmkv.packed_linear(x, self.packed_weight, self.bias,
                                                 self.out_features, self.backend)
+        if self.backend == "brgemm":
+            if self._brgemm is None:
+                self._brgemm = (self.brgemm_args(), cpu_bf16.gemm_args())
+            return cpu_bf16.linear(x, *self._brgemm, self.out_dtype)
         return packed_gemm(x, self.packed_weight, self.bias, self.out_features, self.backend)
 
 
@@ -151,6 +182,10 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
                    out_features: int, backend: str) -> torch.Tensor:
     """:func:`packed_gemm` for compiled code (Inductor has no lowering for a weight packed
     outside it)."""
+    if backend == "brgemm":
+        k = packed_weight.shape[1] * 2
+        args = cpu_bf16.linear_args(packed_weight, bias, k, out_features)
+        return cpu_bf16.linear(x, args, cpu_bf16.gemm_args(), x.dtype)
     return packed_gemm(x, packed_weight, bias, out_features, backend)
 
 
@@ -161,11 +196,14 @@ def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor,
     return x.new_empty(x.shape[0], out_features)
 
 
-def resolve_backend(backend: str) -> str:
-    """The packed backend ``backend`` means here ("torch" for none). Raises ValueError for an
-    unknown name or an explicit backend this torch lacks."""
+def resolve_backend(backend: str, dtype: torch.dtype = torch.float32) -> str:
+    """The packed backend ``backend`` means for ``dtype`` linears here ("torch" for none).
+    Raises ValueError for an unknown name or an explicit backend this torch, CPU or dtype
+    lacks."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if dtype == torch.bfloat16:
+        return _resolve_bf16(backend)
     if backend == "auto":  # MKL was measured faster on Intel only (not measured elsewhere)
         if mkl_available() and (cpu_vendor() == "GenuineIntel" or not onednn_available()):
             return "mkl"
@@ -175,21 +213,43 @@ def resolve_backend(backend: str) -> str:
                          "(cblas_sgemm_pack in libtorch_cpu)")
     if backend == "onednn" and not onednn_available():
         raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
+    if backend == "brgemm":
+        raise ValueError("linear_backend='brgemm' is for bfloat16 weights")
+    return backend
+
+
+def _resolve_bf16(backend: str) -> str:
+    if backend == "auto":
+        if cpu_bf16.available():
+            return "brgemm"
+        return "onednn" if onednn_available() else "torch"
+    if backend == "mkl":
+        raise ValueError("linear_backend='mkl' is float32 only (MKL's packed sgemm); bfloat16 "
+                         "takes brgemm, onednn or torch")
+    if backend == "brgemm" and not cpu_bf16.available():
+        raise ValueError(f"linear_backend='brgemm' cannot run here: "
+                         f"{cpu_bf16.unavailable_reason()}")
+    if backend == "onednn" and not onednn_available():
+        raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
     return backend
 
 
 def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) -> int:
-    """Swap ``model``'s float32 CPU ``nn.Linear`` layers for :class:`PackedLinear`; returns how
-    many were swapped (0 for other devices/dtypes or ``backend="torch"``)."""
-    backend = resolve_backend(backend)
-    if backend == "torch":
-        return 0
+    """Swap ``model``'s float32 or bfloat16 CPU ``nn.Linear`` layers for
+    :class:`PackedLinear`; returns how many were swapped (0 for other devices/dtypes or where
+    ``backend`` resolves to "torch"). The one named ``lm_head`` gives float32 logits when its
+    backend can (brgemm)."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32):
-                setattr(parent, name, PackedLinear(child, batch_hint, backend))
-                swapped += 1
+            if not (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                    and child.weight.dtype in PACKED_BACKENDS):
+                continue
+            chosen = resolve_backend(backend, child.weight.dtype)
+            if chosen == "torch":
+                continue
+            out = torch.float32 if name == "lm_head" and chosen == "brgemm" else None
+            setattr(parent, name, PackedLinear(child, batch_hint, chosen, out))
+            swapped += 1
     logger.debug("packed %d linear layers for %s", swapped, backend)
     return swapped

@@ -1,0 +1,360 @@
+// bfloat16 linears and decoder layers on the CPU's matrix units (AMX or AVX512-BF16):
+//
+//   vmkv_bf16_linear:    out = a W^T (+ b), float32 or bfloat16 out (the LM head, any packed linear)
+//   vmkv_bf16_attn_in:   h = rms_norm(x) * w1;  qkv = h Wqkv^T (+ b);  RoPE on q and k in place
+//   (attention: the engine's backend reads q/k/v out of qkv)
+//   vmkv_bf16_attn_out:  x += attn Wo^T (+ b);  h = rms_norm(x) * w2;
+//                        act = silu(h Wg^T) * (h Wu^T);  x += act Wdown^T (+ b)
+//
+// The matrix products are oneDNN's brgemm ukernel (the AMX tile kernel torch's own CPU flash
+// attention runs), which torch exports as at::native::cpublas::brgemm; the caller passes its
+// address and that of brgemm_release, so this library links nothing but libgomp. A weight is
+// packed once at load into blocks of block_n output columns, each block W^T[K, bn] in VNNI pairs
+// ([K/2][bn][2], the layout the ukernel reads; vmkv/models/linear.py packs it). A product runs as
+// tiles of kBlockM rows x block_n columns spread over the OpenMP team, each tile's float32
+// result finished by an epilogue while it is in cache: bias, rounding to bf16, the residual add,
+// or SiLU(gate) * up (the gate and up tiles of one column block computed together).
+//
+// Rounding follows transformers in bfloat16 operation for operation, so a bf16 engine tracks a
+// bf16 transformers model as closely as float reassociation allows: each linear's result
+// (bias included) rounded once to bf16; RMSNorm statistics in float32, x * rsqrt(var + eps)
+// rounded, then times the bf16 weight, rounded; RoPE products and their sum each rounded;
+// SiLU rounded, then its product with up rounded; each residual add rounded.
+//
+// Built by vmkv/kernels/cpu_bf16.py like csrc/cpu_attention.cpp (g++ -O3 -march=native
+// -fopenmp, cached, called through ctypes). Each entry point returns 0, 1 on bad arguments
+// (nothing written) or 2 when the ukernel raised (the output is then undefined).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <ctime>
+
+#include "cpu_vec.h"
+
+using vmkv::bf16;
+
+extern "C" {
+
+// at::native::cpublas::brgemm (BFloat16 overload): C[m, n] (+)= A[m, k] B[k, n] with B in VNNI
+// pairs (is_vnni), row strides lda, ldb, ldc; and brgemm_release (the thread's AMX state).
+typedef void (*VmkvBrgemm)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                           int64_t ldc, bool add_c, const bf16* a, const bf16* b, float* c,
+                           bool is_vnni);
+typedef void (*VmkvBrgemmRelease)(bool is_vnni);
+
+// A packed linear layer: W^T in ceil(N / block_n) blocks of [K / 2][block_n][2] (zero-padded
+// columns in the last block), an optional bf16 bias [N].
+struct VmkvBf16Linear {
+  const bf16* packed;
+  const bf16* bias;  // nullptr: none
+  int64_t in_features, out_features, block_n;
+};
+
+// The ukernel's entry points and (optional) profiling counters {gemm ns, elementwise ns}.
+struct VmkvBf16Gemm {
+  VmkvBrgemm brgemm;
+  VmkvBrgemmRelease release;
+  int64_t* ns;  // nullptr: not profiling
+};
+
+// A decoder layer's weights (the caller keeps the tensors alive). gate_up holds the gate's
+// columns, then the up projection's: intermediate must be a multiple of its block_n.
+struct VmkvBf16Layer {
+  VmkvBf16Linear qkv, o, gate_up, down;
+  const bf16* input_norm;  // [hidden]
+  const bf16* post_norm;   // [hidden]
+};
+
+struct VmkvBf16Shape {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps;
+  VmkvBf16Gemm gemm;
+};
+
+}  // extern "C"
+
+namespace {
+
+using namespace vmkv;
+
+constexpr int64_t kBlockM = 32;     // rows per ukernel call: two AMX tiles of 16
+constexpr int64_t kMaxBlockN = 64;  // widest column block a weight may be packed in
+constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// Profiling: adds the time since `start` to counter `part` (0 gemm, 1 elementwise).
+struct Lap {
+  int64_t* ns;
+  int64_t start;
+  explicit Lap(int64_t* counters) : ns(counters), start(counters ? now_ns() : 0) {}
+  void operator()(int part) {
+    if (ns == nullptr) return;
+    const int64_t t = now_ns();
+    ns[part] += t - start;
+    start = t;
+  }
+};
+
+bool bad_linear(const VmkvBf16Linear& w, int64_t in, int64_t out) {
+  return w.packed == nullptr || w.in_features != in || w.out_features != out ||
+         w.in_features % 2 != 0 || w.block_n <= 0 || w.block_n > kMaxBlockN ||
+         w.block_n % 16 != 0;
+}
+
+// c[rows, bn] = a[rows, K] (row stride lda) times column block `block` of w.
+inline void block_product(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, int64_t block,
+                          const bf16* a, int64_t lda, int64_t rows, float* c) {
+  g.brgemm(rows, w.block_n, w.in_features, lda, w.block_n, w.block_n, false, a,
+           w.packed + block * w.in_features * w.block_n, c, true);
+}
+
+// Runs task(m0, rows, block, scratch) for every (kBlockM-row tile, column block) over the OpenMP
+// team, blocks outermost so each thread keeps to its share of the weight; `scratch` holds two
+// float32 tiles. Returns false when a task raised (the ukernel reports errors as C++ exceptions,
+// which must not cross the OpenMP region or the C ABI).
+template <typename Task>
+bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task) {
+  const int64_t row_tiles = (m + kBlockM - 1) / kBlockM, tasks = row_tiles * blocks;
+  std::atomic<bool> failed{false};
+#pragma omp parallel if (tasks > 1)
+  {
+    alignas(64) float scratch[2 * kBlockM * kMaxBlockN];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t block = t / row_tiles, m0 = t % row_tiles * kBlockM;
+      try {
+        task(m0, std::min(kBlockM, m - m0), block, scratch);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    try {
+      g.release(true);
+    } catch (...) {
+      failed = true;
+    }
+  }
+  return !failed;
+}
+
+inline float bias_at(const bf16* bias, int64_t n) {
+  return bias != nullptr ? bf16_to_float(bias[n]) : 0.0f;
+}
+
+// Epilogues over one tile row: the float32 products c[0 .. cols) of columns n0 ..
+
+// out = round(c + bias)
+inline void store_rounded(const float* c, const bf16* bias, int64_t n0, int64_t cols,
+                          bf16* out) {
+  int64_t i = 0;
+#if defined(VMKV_VECTOR)
+  for (; i + kLanes <= cols; i += kLanes) {
+    vfloat y = vload(c + i);
+    if (bias != nullptr) y = vadd(y, vload(bias + n0 + i));
+    vstore(out + i, y);
+  }
+#endif
+  for (; i < cols; ++i) out[i] = float_to_bf16(c[i] + bias_at(bias, n0 + i));
+}
+
+// x = round(x + round(c + bias))
+inline void add_rounded(const float* c, const bf16* bias, int64_t n0, int64_t cols, bf16* x) {
+  int64_t i = 0;
+#if defined(VMKV_VECTOR)
+  alignas(64) bf16 y[kLanes];
+  for (; i + kLanes <= cols; i += kLanes) {
+    vfloat p = vload(c + i);
+    if (bias != nullptr) p = vadd(p, vload(bias + n0 + i));
+    vstore(y, p);
+    vstore(x + i, vadd(vload(x + i), vload(y)));
+  }
+#endif
+  for (; i < cols; ++i) {
+    x[i] = float_to_bf16(bf16_to_float(x[i]) + round_bf16(c[i] + bias_at(bias, n0 + i)));
+  }
+}
+
+// act = round(round(silu(round(gate + bg))) * round(up + bu))
+inline void silu_mul_rounded(const float* gate, const float* up, const bf16* bias_gate,
+                             const bf16* bias_up, int64_t n0, int64_t cols, bf16* act) {
+#pragma omp simd
+  for (int64_t i = 0; i < cols; ++i) {
+    const float g = round_bf16(gate[i] + bias_at(bias_gate, n0 + i));
+    const float u = round_bf16(up[i] + bias_at(bias_up, n0 + i));
+    act[i] = float_to_bf16(round_bf16(g / (1.0f + exp_approx(-g))) * u);
+  }
+}
+
+// out[r] = round(weight * round(x[r] * rsqrt(mean(x[r]^2) + eps))), statistics in float32.
+void rms_norm(const bf16* x, const bf16* weight, int64_t t, int64_t n, float eps, bf16* out) {
+#pragma omp parallel for schedule(static) if (t >= kParallelRows)
+  for (int64_t r = 0; r < t; ++r) {
+    const bf16* xr = x + r * n;
+    bf16* o = out + r * n;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
+    }
+  }
+}
+
+// Neox half-split RoPE of `heads` heads of t rows (row stride `width`) in place:
+// x*cos + roll(x, D/2)*signed_sin, each product and the sum rounded.
+void rope(bf16* x, int64_t t, int64_t width, const bf16* cos, const bf16* ssin, int64_t heads,
+          int64_t d) {
+  const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (t >= kParallelRows)
+  for (int64_t r = 0; r < t; ++r) {
+    const bf16 *c = cos + r * d, *s = ssin + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      bf16* p = x + r * width + h * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = bf16_to_float(p[i]), x2 = bf16_to_float(p[i + half]);
+        p[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) +
+                             round_bf16(x2 * bf16_to_float(s[i])));
+        p[i + half] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[i + half])) +
+                                    round_bf16(x1 * bf16_to_float(s[i + half])));
+      }
+    }
+  }
+}
+
+int64_t num_blocks(const VmkvBf16Linear& w) {
+  return (w.out_features + w.block_n - 1) / w.block_n;
+}
+
+// out[m, N] = round(a w^T + b) (bf16, row stride ldo)
+bool linear_rounded(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a, int64_t lda,
+                    int64_t m, bf16* out, int64_t ldo) {
+  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+    block_product(g, w, j, a + m0 * lda, lda, rows, c);
+    const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      store_rounded(c + r * w.block_n, w.bias, n0, cols, out + (m0 + r) * ldo + n0);
+    }
+  });
+}
+
+// x[m, N] = round(x + round(a w^T + b)) (row stride ldx)
+bool linear_residual(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a,
+                     int64_t lda, int64_t m, bf16* x, int64_t ldx) {
+  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+    block_product(g, w, j, a + m0 * lda, lda, rows, c);
+    const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      add_rounded(c + r * w.block_n, w.bias, n0, cols, x + (m0 + r) * ldx + n0);
+    }
+  });
+}
+
+// out[m, N] = a w^T + b in float32 (row stride ldo)
+bool linear_float(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a, int64_t lda,
+                  int64_t m, float* out, int64_t ldo) {
+  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+    block_product(g, w, j, a + m0 * lda, lda, rows, c);
+    const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + (m0 + r) * ldo + n0;
+      const float* cr = c + r * w.block_n;
+#pragma omp simd
+      for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(w.bias, n0 + i);
+    }
+  });
+}
+
+// act[m, I] = silu(h Wg^T) * (h Wu^T), rounded as transformers does; gate block j and up block
+// j + I / bn in one task.
+bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* h, int64_t ldh,
+                 int64_t m, int64_t inter, bf16* act) {
+  const int64_t bn = w.block_n, pairs = inter / bn;
+  const bf16* bias_up = w.bias != nullptr ? w.bias + inter : nullptr;
+  return for_each_tile(g, m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+    float* up = c + kBlockM * kMaxBlockN;
+    block_product(g, w, j, h + m0 * ldh, ldh, rows, c);
+    block_product(g, w, pairs + j, h + m0 * ldh, ldh, rows, up);
+    for (int64_t r = 0; r < rows; ++r) {
+      silu_mul_rounded(c + r * bn, up + r * bn, w.bias, bias_up, j * bn, bn,
+                       act + (m0 + r) * inter + j * bn);
+    }
+  });
+}
+
+bool bad_layer(const VmkvBf16Shape* s, const VmkvBf16Layer* w, int64_t t) {
+  if (s == nullptr || w == nullptr || s->gemm.brgemm == nullptr ||
+      s->gemm.release == nullptr || t < 0 || s->head_dim % 2 != 0) {
+    return true;
+  }
+  const int64_t q = s->num_heads * s->head_dim, kv = s->num_kv_heads * s->head_dim;
+  return bad_linear(w->qkv, s->hidden, q + 2 * kv) || bad_linear(w->o, q, s->hidden) ||
+         bad_linear(w->gate_up, s->hidden, 2 * s->intermediate) ||
+         bad_linear(w->down, s->intermediate, s->hidden) ||
+         s->intermediate % w->gate_up.block_n != 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [m, N] (row stride ldo) = a [m, K] (row stride lda) W^T (+ b): float32 when out_bf16 is 0,
+// else bf16 rounded once.
+int vmkv_bf16_linear(const VmkvBf16Gemm* g, const VmkvBf16Linear* w, const bf16* a,
+                     int64_t lda, int64_t m, void* out, int64_t ldo, int out_bf16) {
+  if (g == nullptr || w == nullptr || g->brgemm == nullptr || g->release == nullptr ||
+      bad_linear(*w, w->in_features, w->out_features) || m < 0 || lda < w->in_features ||
+      ldo < w->out_features) {
+    return 1;
+  }
+  if (m == 0) return 0;
+  Lap lap(g->ns);
+  const bool ok = out_bf16 ? linear_rounded(*g, *w, a, lda, m, static_cast<bf16*>(out), ldo)
+                           : linear_float(*g, *w, a, lda, m, static_cast<float*>(out), ldo);
+  lap(0);
+  return ok ? 0 : 2;
+}
+
+// x [t, hidden] (read), cos/signed_sin [t, head_dim] bf16; writes h [t, hidden] (scratch) and
+// qkv [t, (Hq + 2 Hkv) * D] with RoPE applied to its q and k heads.
+int vmkv_bf16_attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const bf16* x, int64_t t,
+                      const bf16* cos, const bf16* ssin, bf16* h, bf16* qkv) {
+  if (bad_layer(s, w, t)) return 1;
+  if (t == 0) return 0;
+  const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+  Lap lap(s->gemm.ns);
+  rms_norm(x, w->input_norm, t, s->hidden, s->eps, h);
+  lap(1);
+  const bool ok = linear_rounded(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
+  lap(0);
+  rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
+  lap(1);
+  return ok ? 0 : 2;
+}
+
+// x [t, hidden] updated in place by the attention output attn [t, Hq * D] (row stride
+// attn_stride) and the MLP; h [t, hidden] and act [t, intermediate] are scratch.
+int vmkv_bf16_attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, bf16* x, int64_t t,
+                       const bf16* attn, int64_t attn_stride, bf16* h, bf16* act) {
+  if (bad_layer(s, w, t) || attn_stride < s->num_heads * s->head_dim) return 1;
+  if (t == 0) return 0;
+  const int64_t hidden = s->hidden, inter = s->intermediate;
+  Lap lap(s->gemm.ns);
+  bool ok = linear_residual(s->gemm, w->o, attn, attn_stride, t, x, hidden);
+  lap(0);
+  rms_norm(x, w->post_norm, t, hidden, s->eps, h);
+  lap(1);
+  ok = ok && gate_up_act(s->gemm, w->gate_up, h, hidden, t, inter, act);
+  ok = ok && linear_residual(s->gemm, w->down, act, inter, t, x, hidden);
+  lap(0);
+  return ok ? 0 : 2;
+}
+
+}  // extern "C"
