@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -205,6 +206,140 @@ struct NewRows {
   int64_t v_stride_b = 0, v_stride_h = 0;
 };
 
+#if defined(__AVX512BF16__)
+// bfloat16 decode on AVX512-BF16 dot products (vdpbf16ps): no widening of K/V, a score tile of
+// 16 tokens summed into one vector at once, P rounded to bf16 for the value products (as torch's
+// CPU flash attention does). Taken for bf16 caches whose head_dim is a multiple of 32 and GQA
+// groups of up to kDpMaxGroup query heads; other shapes use the widening loops above.
+constexpr int64_t kDpTile = 16;      // tokens per score vector
+constexpr int64_t kDpMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kDpMaxVecs = 8;    // head_dim / 32 (head_dim <= 256)
+
+// Sixteen vectors -> one vector whose lane j is the sum of v[j]'s lanes.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // lane L of a[i]: v[2i], v[2i+1] halves of their lane L
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of b[i]: v[4i .. 4i+3]'s lane-L sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes folded
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+inline __m512i load_row_part(const bf16* p) { return _mm512_loadu_si512(p); }
+
+// The task's KV heads [kvh0, kvh1) of request b over its len tokens: q (bf16, exact) against K
+// in place, online softmax in float32, values accumulated as bf16 pairs into float32 lanes whose
+// dims are interleaved (unpacklo/hi of two V rows: lane 4L + k of chunk c is dim 32c + 8L + k,
+// or + 4 for the high half), undone at the store.
+template <bool PAGED>
+void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16* k,
+               const bf16* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+               const int32_t* table, int64_t table_stride, int64_t block_size, int64_t b,
+               int64_t len, int64_t kvh0, int64_t kvh1, int64_t group, int64_t dim, float scale,
+               bf16* out, int64_t out_stride_b, int64_t out_stride_h) {
+  const int64_t vecs = dim / 32, span = kvh1 - kvh0, nrows = span * group;
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(bf16));
+  __m512i qv[kDpMaxGroup * 3][kDpMaxVecs];  // [row][chunk] bf16 pairs
+  __m512 acc[kDpMaxGroup * 3][2 * kDpMaxVecs];
+  float m[kDpMaxGroup * 3], l[kDpMaxGroup * 3];
+  alignas(64) uint16_t pb[kDpMaxGroup * 3][kDpTile + 1];  // P of the tile, bf16, + a zero
+  __m512 part[kDpTile];
+  int64_t rows[kDpTile];
+  for (int64_t r = 0; r < nrows; ++r) {
+    const bf16* src = q + b * q_stride_b + (kvh0 * group + r) * q_stride_h;
+    for (int64_t c = 0; c < vecs; ++c) qv[r][c] = load_row_part(src + 32 * c);
+    for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_setzero_ps();
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    pb[r][kDpTile] = 0;
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += kDpTile) {
+    const int64_t n = std::min(kDpTile, len - t0);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t j = 0; j < n; ++j) {
+      rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
+    }
+    for (int64_t j = t0 + kDpTile; j < std::min(len, t0 + 2 * kDpTile); ++j) {
+      const int64_t row = row_of<PAGED>(b, j, starts, table, table_stride, block_size);
+      prefetch_row(k + row * stride_row + kvh0 * stride_head, span * head_bytes);
+      prefetch_row(v + row * stride_row + kvh0 * stride_head, span * head_bytes);
+    }
+    for (int64_t h = 0; h < span; ++h) {
+      const int64_t off = (kvh0 + h) * stride_head;
+      for (int64_t g = 0; g < group; ++g) {  // scores, online softmax, P in bf16
+        const int64_t r = h * group + g;
+        for (int64_t j = 0; j < n; ++j) {
+          const bf16* kr = k + rows[j] * stride_row + off;
+          __m512 s = _mm512_setzero_ps();
+          for (int64_t c = 0; c < vecs; ++c) {
+            s = _mm512_dpbf16_ps(s, (__m512bh)qv[r][c], (__m512bh)load_row_part(kr + 32 * c));
+          }
+          part[j] = s;
+        }
+        for (int64_t j = n; j < kDpTile; ++j) part[j] = _mm512_setzero_ps();
+        const __m512 scores = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+        const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(live, scores));
+        const float rescale = std::exp(m[r] - m_new);  // 0 on the first tile
+        const __m512 p =
+            _mm512_maskz_mov_ps(live, exp_nonpositive_v(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+        l[r] = l[r] * rescale + _mm512_reduce_add_ps(p);
+        m[r] = m_new;
+        if (rescale != 1.0f) {
+          const __m512 f = _mm512_set1_ps(rescale);
+          for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], f);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      for (int64_t j = 0; j < n; j += 2) {  // values: token pairs as bf16 pairs
+        const bf16* v0 = v + rows[j] * stride_row + off;
+        const bf16* v1 = j + 1 < n ? v + rows[j + 1] * stride_row + off : nullptr;
+        __m512i lo[kDpMaxVecs], hi[kDpMaxVecs];
+        for (int64_t c = 0; c < vecs; ++c) {
+          const __m512i a = load_row_part(v0 + 32 * c);
+          const __m512i z = v1 != nullptr ? load_row_part(v1 + 32 * c) : _mm512_setzero_si512();
+          lo[c] = _mm512_unpacklo_epi16(a, z);
+          hi[c] = _mm512_unpackhi_epi16(a, z);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = h * group + g;
+          const uint32_t pair = static_cast<uint32_t>(pb[r][j]) |
+                                static_cast<uint32_t>(j + 1 < n ? pb[r][j + 1] : 0) << 16;
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int64_t c = 0; c < vecs; ++c) {
+            acc[r][2 * c] = _mm512_dpbf16_ps(acc[r][2 * c], (__m512bh)lo[c], pp);
+            acc[r][2 * c + 1] = _mm512_dpbf16_ps(acc[r][2 * c + 1], (__m512bh)hi[c], pp);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < nrows; ++r) {
+    bf16* o = out + b * out_stride_b + (kvh0 * group + r) * out_stride_h;
+    const float inv = len > 0 ? 1.0f / l[r] : 0.0f;
+    alignas(64) float lanes[2][16];
+    for (int64_t c = 0; c < vecs; ++c) {
+      _mm512_store_ps(lanes[0], acc[r][2 * c]);
+      _mm512_store_ps(lanes[1], acc[r][2 * c + 1]);
+      for (int64_t lane = 0; lane < 4; ++lane) {
+        for (int64_t i = 0; i < 4; ++i) {
+          o[32 * c + 8 * lane + i] = float_to_bf16(lanes[0][4 * lane + i] * inv);
+          o[32 * c + 8 * lane + 4 + i] = float_to_bf16(lanes[1][4 * lane + i] * inv);
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, bool PAGED>
 void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
             const T* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
@@ -245,6 +380,16 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
                       fresh.v + b * fresh.v_stride_b + h * fresh.v_stride_h, head_bytes);
         }
       }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (dim % 32 == 0 && dim / 32 <= kDpMaxVecs && span * group <= 3 * kDpMaxGroup) {
+          dp_attend<PAGED>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
+                           table, table_stride, block_size, b, len, kvh0, kvh1, group, dim,
+                           scale, out, out_stride_b, out_stride_h);
+          continue;
+        }
+      }
+#endif
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
         const T* src = q + b * q_stride_b + r * q_stride_h;
         float* dst = qs.data() + r * dim;

@@ -11,7 +11,7 @@
 // address and that of brgemm_release, so this library links nothing but libgomp. A weight is
 // packed once at load into blocks of block_n output columns, each block W^T[K, bn] in VNNI pairs
 // ([K/2][bn][2], the layout the ukernel reads; vmkv/models/linear.py packs it). A product runs as
-// tiles of kBlockM rows x block_n columns spread over the OpenMP team, each tile's float32
+// tiles of rows x block_n columns spread over the OpenMP team, each tile's float32
 // result finished by an epilogue while it is in cache: bias, rounding to bf16, the residual add,
 // or SiLU(gate) * up (the gate and up tiles of one column block computed together).
 //
@@ -29,6 +29,11 @@
 #include <atomic>
 #include <cstdint>
 #include <ctime>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "cpu_vec.h"
 
@@ -78,8 +83,9 @@ namespace {
 
 using namespace vmkv;
 
-constexpr int64_t kBlockM = 32;     // rows per ukernel call: two AMX tiles of 16
-constexpr int64_t kMaxBlockN = 64;  // widest column block a weight may be packed in
+constexpr int64_t kSmallRows = 64;     // up to this many rows: one row tile (decode)
+constexpr int64_t kMaxTileRows = 256;  // rows per ukernel call beyond it (prefill)
+constexpr int64_t kMaxBlockN = 64;     // widest column block a weight may be packed in
 constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
 
 int64_t now_ns() {
@@ -114,22 +120,35 @@ inline void block_product(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, int64_
            w.packed + block * w.in_features * w.block_n, c, true);
 }
 
-// Runs task(m0, rows, block, scratch) for every (kBlockM-row tile, column block) over the OpenMP
-// team, blocks outermost so each thread keeps to its share of the weight; `scratch` holds two
-// float32 tiles. Returns false when a task raised (the ukernel reports errors as C++ exceptions,
-// which must not cross the OpenMP region or the C ABI).
+// Runs task(m0, rows, block, scratch) for every (row tile, column block) of an m-row product
+// over the OpenMP team; `scratch` holds two float32 tiles. Few rows (decode): one row tile, the
+// column blocks split over the threads, so each streams its share of the weight once. Many rows
+// (prefill): row tiles of at most kMaxTileRows, a whole number per thread, each thread sweeping
+// every column block with its rows of A in cache. Returns false when a task raised (the ukernel
+// reports errors as C++ exceptions, which must not cross the OpenMP region or the C ABI).
 template <typename Task>
 bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task) {
-  const int64_t row_tiles = (m + kBlockM - 1) / kBlockM, tasks = row_tiles * blocks;
+#if defined(_OPENMP)
+  const int64_t threads = omp_get_max_threads();
+#else
+  const int64_t threads = 1;
+#endif
+  int64_t tiles = 1;
+  if (m > kSmallRows) {
+    tiles = std::max(threads, (m + kMaxTileRows - 1) / kMaxTileRows);
+    tiles = (tiles + threads - 1) / threads * threads;
+  }
+  const int64_t tile_rows = (m + tiles - 1) / tiles, tasks = tiles * blocks;
   std::atomic<bool> failed{false};
 #pragma omp parallel if (tasks > 1)
   {
-    alignas(64) float scratch[2 * kBlockM * kMaxBlockN];
+    std::vector<float> scratch(static_cast<size_t>(2 * tile_rows * kMaxBlockN));
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t block = t / row_tiles, m0 = t % row_tiles * kBlockM;
+      const int64_t m0 = t / blocks * tile_rows, block = t % blocks;
+      if (m0 >= m) continue;
       try {
-        task(m0, std::min(kBlockM, m - m0), block, scratch);
+        task(m0, std::min(tile_rows, m - m0), block, scratch.data());
       } catch (...) {
         failed = true;
       }
@@ -183,28 +202,80 @@ inline void add_rounded(const float* c, const bf16* bias, int64_t n0, int64_t co
 // act = round(round(silu(round(gate + bg))) * round(up + bu))
 inline void silu_mul_rounded(const float* gate, const float* up, const bf16* bias_gate,
                              const bf16* bias_up, int64_t n0, int64_t cols, bf16* act) {
-#pragma omp simd
-  for (int64_t i = 0; i < cols; ++i) {
+  int64_t i = 0;
+#if defined(VMKV_VECTOR)
+  const vfloat one = vset1(1.0f);
+  for (; i + kLanes <= cols; i += kLanes) {
+    vfloat g = vload(gate + i), u = vload(up + i);
+    if (bias_gate != nullptr) g = vadd(g, vload(bias_gate + n0 + i));
+    if (bias_up != nullptr) u = vadd(u, vload(bias_up + n0 + i));
+    g = vround_bf16(g);
+    const vfloat silu = vround_bf16(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))));
+    vstore(act + i, vmul(silu, vround_bf16(u)));
+  }
+#endif
+  for (; i < cols; ++i) {
     const float g = round_bf16(gate[i] + bias_at(bias_gate, n0 + i));
     const float u = round_bf16(up[i] + bias_at(bias_up, n0 + i));
     act[i] = float_to_bf16(round_bf16(g / (1.0f + exp_approx(-g))) * u);
   }
 }
 
+// out = round(weight * round(x * inv)) over n values of one row.
+inline void scale_row(const bf16* x, const bf16* weight, float inv, int64_t n, bf16* out) {
+  int64_t i = 0;
+#if defined(VMKV_VECTOR)
+  for (; i + kLanes <= n; i += kLanes) {
+    vstore(out + i, vmul(vload(weight + i), vround_bf16(vmul(vload(x + i), vset1(inv)))));
+  }
+#endif
+  for (; i < n; ++i) {
+    out[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(x[i]) * inv));
+  }
+}
+
+inline float sum_squares(const bf16* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#if defined(VMKV_VECTOR)
+  vfloat acc = vzero();
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat v = vload(x + i);
+    acc = vfmadd(v, v, acc);
+  }
+  sum = vsum(acc);
+#endif
+  for (; i < n; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+  return sum;
+}
+
 // out[r] = round(weight * round(x[r] * rsqrt(mean(x[r]^2) + eps))), statistics in float32.
 void rms_norm(const bf16* x, const bf16* weight, int64_t t, int64_t n, float eps, bf16* out) {
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r) {
-    const bf16* xr = x + r * n;
-    bf16* o = out + r * n;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
-    }
+    const float inv = 1.0f / std::sqrt(sum_squares(x + r * n, n) / static_cast<float>(n) + eps);
+    scale_row(x + r * n, weight, inv, n, out + r * n);
+  }
+}
+
+// One head's half-split rotation in place: p[i] = round(round(x1 c) + round(x2 s)) for the first
+// half (x1 = p[i], x2 = p[i + half]) and the mirror for the second.
+inline void rope_head(bf16* p, const bf16* c, const bf16* s, int64_t half) {
+  int64_t i = 0;
+#if defined(VMKV_VECTOR)
+  for (; i + kLanes <= half; i += kLanes) {
+    const vfloat x1 = vload(p + i), x2 = vload(p + half + i);
+    vstore(p + i, vadd(vround_bf16(vmul(x1, vload(c + i))), vround_bf16(vmul(x2, vload(s + i)))));
+    vstore(p + half + i, vadd(vround_bf16(vmul(x2, vload(c + half + i))),
+                              vround_bf16(vmul(x1, vload(s + half + i)))));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = bf16_to_float(p[i]), x2 = bf16_to_float(p[i + half]);
+    p[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) +
+                         round_bf16(x2 * bf16_to_float(s[i])));
+    p[i + half] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[i + half])) +
+                                round_bf16(x1 * bf16_to_float(s[i + half])));
   }
 }
 
@@ -212,19 +283,10 @@ void rms_norm(const bf16* x, const bf16* weight, int64_t t, int64_t n, float eps
 // x*cos + roll(x, D/2)*signed_sin, each product and the sum rounded.
 void rope(bf16* x, int64_t t, int64_t width, const bf16* cos, const bf16* ssin, int64_t heads,
           int64_t d) {
-  const int64_t half = d / 2;
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r) {
-    const bf16 *c = cos + r * d, *s = ssin + r * d;
     for (int64_t h = 0; h < heads; ++h) {
-      bf16* p = x + r * width + h * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = bf16_to_float(p[i]), x2 = bf16_to_float(p[i + half]);
-        p[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) +
-                             round_bf16(x2 * bf16_to_float(s[i])));
-        p[i + half] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[i + half])) +
-                                    round_bf16(x1 * bf16_to_float(s[i + half])));
-      }
+      rope_head(x + r * width + h * d, cos + r * d, ssin + r * d, d / 2);
     }
   }
 }
@@ -279,7 +341,7 @@ bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* h, 
   const int64_t bn = w.block_n, pairs = inter / bn;
   const bf16* bias_up = w.bias != nullptr ? w.bias + inter : nullptr;
   return for_each_tile(g, m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
-    float* up = c + kBlockM * kMaxBlockN;
+    float* up = c + rows * bn;
     block_product(g, w, j, h + m0 * ldh, ldh, rows, c);
     block_product(g, w, pairs + j, h + m0 * ldh, ldh, rows, up);
     for (int64_t r = 0; r < rows; ++r) {

@@ -151,4 +151,45 @@ inline void vstore(bf16* p, vfloat x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+inline vfloat vmin(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+inline vfloat vround_bf16(vfloat x) {  // x rounded to bfloat16 precision, as float_to_bf16
+#if defined(__AVX512BF16__)
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  alignas(64) bf16 h[kLanes];
+  vstore(h, x);
+  return vload(h);
+#endif
+}
+#elif defined(VMKV_VECTOR)
+inline vfloat vmin(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+inline vfloat vround_bf16(vfloat x) {
+  alignas(32) bf16 h[kLanes];
+  vstore(h, x);
+  return vload(h);
+}
+#endif
+
+#if defined(VMKV_VECTOR)
+// exp_approx on kLanes lanes (the same polynomial and range reduction).
+inline vfloat vexp(vfloat x) {
+  x = vmax(vmin(x, vset1(88.3762626647949f)), vset1(-87.3365447505531f));
+  const vfloat n = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  vfloat r = vsub(x, vmul(n, vset1(0.693359375f)));
+  r = vfmadd(n, vset1(2.12194440e-4f), r);
+  vfloat p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  p = vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f));
+  return vmul(p, vpow2(n));
+}
+#endif
+
 }  // namespace vmkv

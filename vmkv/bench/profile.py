@@ -25,7 +25,7 @@ themselves while profiled (``clock_gettime`` around each GEMM); the rest of them
 (1 - process CPU time / (wall x threads)): waiting, not working.
 
 Rooflines, measured on this machine in the same run: FLOPs / the linear backend's rate on a
-2048^3 product, and bytes / the copy bandwidth of a 256 MiB tensor. Attention takes the larger
+2048^3 product in the engine's dtype, and bytes / the copy bandwidth of a 256 MiB tensor. Attention takes the larger
 of its FLOPs (QK and PV over every causal pair) and its bytes (each request's K/V read once);
 the K/V write writes the new rows; glue reads and writes the activations about
 ``GLUE_PASSES`` times per layer; the sampler reads the logits.
@@ -142,14 +142,15 @@ class StepTimer:
         self._undo.clear()
 
 
-def machine_rates(linear_backend: str) -> dict[str, float]:
-    """GEMM rate (FLOP/s) of the linear backend at 2048^3, and copy bandwidth (bytes/s)."""
+def machine_rates(linear_backend: str, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """GEMM rate (FLOP/s) of the linear backend in ``dtype`` at 2048^3, and copy bandwidth
+    (bytes/s)."""
     from vmkv.models.linear import pack_linears
 
     n = 2048
-    lin = torch.nn.Sequential(torch.nn.Linear(n, n, bias=False))
+    lin = torch.nn.Sequential(torch.nn.Linear(n, n, bias=False, dtype=dtype))
     pack_linears(lin, linear_backend)
-    x = torch.randn(n, n)
+    x = torch.randn(n, n, dtype=dtype)
     with torch.inference_mode():
         gemm_ms = min(call_ms(lambda: lin(x)) for _ in range(5))
     src = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
@@ -268,7 +269,7 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
     engine = LLMEngine(config)
     if not prefill_kernel and hasattr(engine.attn, "batched_prefill"):
         engine.attn.batched_prefill = False
-    rates = machine_rates(config.linear_backend)
+    rates = machine_rates(config.linear_backend, engine.dtype)
     rng = torch.Generator().manual_seed(0)
     timer = StepTimer(engine)
     try:
