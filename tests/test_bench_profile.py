@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from skip_policy import require_mkl
 
 from vmkv.bench.profile import PARTS
 from vmkv.cli import main
-from vmkv.models.linear import mkl_available
 
 
 @pytest.mark.usefixtures("default_model")
@@ -21,8 +21,8 @@ def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, layers: 
     layers time their own GEMMs)."""
     monkeypatch.setenv("VMKV_COMPILE", "1" if layers == "compiled" else "0")
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "1" if layers == "fused" else "0")
-    if layers == "fused" and not mkl_available():
-        pytest.skip("torch without MKL's packed GEMM")
+    if layers == "fused":
+        require_mkl()
     # fused layers need MKL linears, which "auto" picks only on Intel CPUs
     backend = ["--linear-backend", "mkl"] if layers == "fused" else []
     out, png = tmp_path / "p.json", tmp_path / "p.png"

@@ -25,6 +25,7 @@ from graph_scenarios import (
     tiny_model,
     virtual_setup,
 )
+from skip_policy import cpu_only
 from triton_required import needs_triton
 
 from vmkv.engine.cuda_graphs import (
@@ -55,7 +56,7 @@ def test_batch_sizes_and_buckets() -> None:
         runner.run(["a"], [0], [1], [0])
 
 
-@pytest.mark.skipif(CUDA, reason="CPU double of the graph (GPU: test_gpu_graphs_*)")
+@cpu_only  # the CPU double of the graph (GPU: test_gpu_graphs_*)
 @pytest.mark.parametrize("case", [
     "virtual-aten-flash",
     pytest.param("virtual-triton", marks=needs_triton),

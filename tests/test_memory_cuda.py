@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_cuda_driver import FakeDriver
+from skip_policy import cpu_only
 
 from vmkv.config import CacheConfig
 from vmkv.kv import KVSpec, VirtualKVCache, create_kv_cache
@@ -29,7 +30,7 @@ def fake_backend(max_pages: int = 64, page_size: int | None = None) -> MetaCudaB
     return MetaCudaBackend(page_size, max_pages, 0, driver=FakeDriver(GRAN))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+@cpu_only
 def test_without_a_driver_construction_fails_clearly() -> None:
     with pytest.raises(BackendUnavailable, match="^CUDA VMM unavailable: "):
         CudaMemoryBackend(None, 4)
