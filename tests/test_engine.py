@@ -196,6 +196,7 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
     assert "maximum concurrency for 2,048 tokens per request" in on[1]
     assert on[1].endswith("prefix caching on")  # the default, as in vLLM
     assert "layout per-layer, page 16 KiB = 21.33 tokens" in on[2]
+    assert on[3] == "CPU kernels: attention, argmax, decoder layers compiled"
     off = make_llm("paged", enable_prefix_caching=False).engine.startup_report()
     assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]
 
