@@ -49,9 +49,9 @@ def test_tuned_malloc_reuses_a_step_s_memory_instead_of_faulting_it_in() -> None
     # unmaps it on free (raising its threshold to that size): steps whose temporaries grow a
     # little fault all of them in again.
     assert all(f >= 0.9 * p for f, p in zip(faults[:4], pages[:4], strict=True)), faults
-    # Tuned, the heap serves them and keeps what is freed: after two steps to settle, a step
-    # faults in about its growth (2 MiB, 1/17 of it; measured 0 to 1/16, once 1/4 while the
-    # heap settled), far from all of it.
+    # Tuned, the heap serves them and keeps what is freed: once it has settled (three steps;
+    # the first faulted up to half its memory in), a step faults in about its growth (2 MiB,
+    # 6 % of it; measured 0 to 6 %), far from all of it.
     assert all(f < 0.25 * p for f, p in zip(faults[7:], pages[7:], strict=True)), faults
 
 
