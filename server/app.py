@@ -32,6 +32,7 @@ from vmkv.engine.front import ServingEngine
 from vmkv.engine.front import Stream as RequestStream
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import RequestOutput
+from vmkv.kernels import cpu_kernels
 from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
 from vmkv.sampling_params import SamplingParams
 from vmkv.server import responses as R
@@ -117,6 +118,11 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
 
+    # which C++ kernels a CPU engine runs (a library that failed to build: what runs instead)
+    health_body: dict[str, Any] = {"status": "ok"}
+    if front.config.device == "cpu":
+        health_body["cpu_kernels"] = cpu_kernels.status()
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
@@ -124,7 +130,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
         if lifecycle.draining:
             return error_response(503, "draining: the server is shutting down",
                                   headers=RETRY_AFTER)
-        return Response(status_code=200)
+        return JSONResponse(health_body)
 
     @app.get("/version")
     async def version() -> dict:

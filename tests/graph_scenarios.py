@@ -4,11 +4,14 @@ may lack it).
 A scenario captures a :class:`DecodeGraphRunner`, prefills a few requests eagerly, then runs
 every decode step both through the graph and eagerly and compares the hidden states.
 
-* On CPU the graph is a test double (:class:`ReplayByRerun`): "replay" re-runs the function
-  captured at start-up and copies its result into the output tensor captured then. A replay
-  only sees new inputs through the static buffers, so anything the captured step fixed at
-  capture time (a host int, the dummy request list, a tensor built outside the static buffer)
-  makes replay disagree with the eager step.
+* On CPU the graph is a test double (:class:`RecordedGraph`) that freezes what a capture
+  freezes: capturing runs the step once and records its kernels (every aten op, every Triton
+  launch, every stand-in kernel wrapped by :func:`as_kernel`) with their arguments; a replay
+  runs exactly those kernels again, on the same tensors, with the same scalars and grids. No
+  Python of the step runs at replay, so a step that reads host state after the capture (a
+  length, a list, a tensor built from Python values) replays what the capture saw and
+  disagrees with the eager step, as it would on a GPU; new inputs arrive only through the
+  static buffers.
 * On CUDA (:func:`gpu_virtual_replay`, :func:`gpu_paged_replay`) the graphs are real
   ``torch.cuda.CUDAGraph`` captures over VMM-backed views, with new pages mapped under them.
 
@@ -23,10 +26,13 @@ from typing import Any
 import torch
 import transformers
 from attention_scenarios import ReferenceVarlen  # sets TRITON_INTERPRET without CUDA
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.kv_store import store_index_copy, store_triton
 from vmkv.engine.cuda_graphs import DecodeGraphRunner
+from vmkv.kernels.launch import launch_through
 from vmkv.kv import PagedKVCache, VirtualKVCache
 from vmkv.memory import PagePool
 from vmkv.memory.host import HostMemoryBackend
@@ -38,23 +44,114 @@ CUDA = torch.cuda.is_available()
 PLAN = [["a", "b", "c"], ["a", "b", "c"], ["c", "a", "b", "d", "e"], ["e"], ["b", "d"]]
 
 
-class ReplayByRerun:
-    """CPU stand-in for a CUDA graph (see the module docstring)."""
+#: ops that read device data on the host: a capture refuses them ("operation not permitted when
+#: stream is capturing"), and so does the double
+_HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+               torch.ops.aten.equal.default, torch.ops.aten.nonzero.default}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _copy_into(captured: Any, result: Any, which: list[bool] | None = None) -> None:
+    """Copy each tensor of ``result`` into the tensor at the same place of ``captured`` (only
+    where ``which`` says so, when given)."""
+    leaves = zip(pytree.tree_leaves(captured), pytree.tree_leaves(result), strict=True)
+    for i, (old, new) in enumerate(leaves):
+        if isinstance(old, torch.Tensor) and (which is None or which[i]):
+            old.copy_(new)
+
+
+class KernelTape(TorchDispatchMode):
+    """While active, records every kernel a step runs, as a CUDA graph capture does: each aten
+    op (what launches one kernel on a GPU) with its arguments, each Triton launch through
+    :func:`vmkv.kernels.launch.launch`, and each call of a function wrapped by
+    :func:`as_kernel`. Tensors are kept by reference (a kernel holds pointers), everything else
+    by the value it had (a kernel's scalar arguments and grid are fixed at capture)."""
+
+    active: KernelTape | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Callable[[], None]] = []
+
+    def __enter__(self) -> KernelTape:
+        KernelTape.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        KernelTape.active = None
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func in _HOST_READS:
+            raise RuntimeError(f"{func} reads device data on the host: not permitted while a "
+                               "CUDA graph is captured")
+        args, kwargs = pytree.tree_map(lambda x: x, (args, kwargs or {}))  # own containers
+        out = func(*args, **kwargs)
+        if any(a.alias_info is not None and a.alias_info.is_write
+               for a in func._schema.arguments):
+            self.calls.append(lambda: func(*args, **kwargs))  # in place: run it again
+            return out
+        inputs = {_storage(t) for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        fresh = [isinstance(t, torch.Tensor) and _storage(t) not in inputs
+                 for t in pytree.tree_leaves(out)]
+        if any(fresh) and "empty" not in func.overloadpacket.__name__:
+            # recomputed into the tensors the capture allocated; views of an input and bare
+            # allocations launch no kernel
+            self.calls.append(lambda: _copy_into(out, func(*args, **kwargs), fresh))
+        return out
+
+    def opaque(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` as one kernel: unrecorded inside, repeated whole at replay."""
+        with _disable_current_modes():
+            out = fn(*args, **kwargs)
+        self.calls.append(lambda: _copy_into(out, fn(*args, **kwargs)))
+        return out
+
+    def launch(self, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+               constexprs: dict[str, Any]) -> None:
+        """A Triton launch (the seam's runner while capturing)."""
+        self.opaque(lambda: kernel[grid](*args, **constexprs))
+
+
+def as_kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a stand-in for a GPU kernel, such as :class:`ReferenceVarlen`) as one kernel
+    for :class:`KernelTape`: what it reads is read again at every replay, like a kernel reads
+    device memory; outside a capture it is ``fn``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        tape = KernelTape.active
+        return fn(*args, **kwargs) if tape is None else tape.opaque(fn, *args, **kwargs)
+
+    return call
+
+
+class RecordedGraph:
+    """CPU stand-in for a CUDA graph (see the module docstring): capture runs ``fn`` once
+    under a :class:`KernelTape`; replay runs the recorded kernels again, nothing else."""
 
     def __init__(self, on_capture: Callable[[], Any] | None = None) -> None:
         self.on_capture = on_capture
+        self.calls: list[Callable[[], None]] = []
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``fn`` once (the "capture") and keep it and its output tensor."""
+        """Run ``fn`` once, recording its kernels; its output tensor is the graph's."""
         if self.on_capture is not None:
             self.on_capture()
-        self.fn = fn
-        self.out = fn()
-        return self.out
+        tape = KernelTape()
+        with tape, launch_through(tape.launch):
+            out = fn()
+        self.calls = tape.calls
+        return out
 
     def replay(self) -> None:
-        """Re-run the captured function into the captured output tensor."""
-        self.out.copy_(self.fn())
+        """Run the captured kernels, with the arguments they were captured with."""
+        for call in self.calls:
+            call()
 
 
 def tiny_model(dtype: torch.dtype, device: str, *, layers: int = 2, head_dim: int = 32
@@ -125,9 +222,9 @@ def virtual_setup(kernel: str, cfg: ModelConfig, dtype: torch.dtype = torch.floa
     """A host cache and a virtual CUDA backend on it: ``aten-flash`` through the injected
     reference, any other kernel with the real masked Triton write (interpreted on CPU)."""
     kv = host_kv(cfg, dtype)
-    if kernel == "aten-flash":
-        attn = CudaAttentionBackend(kv, kernel, varlen_fn=ReferenceVarlen(),
-                                  store=store_index_copy)
+    if kernel == "aten-flash":  # the reference and the write each stand for one GPU kernel
+        attn = CudaAttentionBackend(kv, kernel, varlen_fn=as_kernel(ReferenceVarlen()),
+                                    store=as_kernel(store_index_copy))
     else:
         attn = CudaAttentionBackend(kv, kernel, store=None if CUDA else store_triton)
     return kv, attn
@@ -149,7 +246,7 @@ def cpu_replay(case: str) -> None:
         attn = CudaAttentionBackend(kv, "triton", store=store_triton)
     assert attn.supports_cuda_graphs
     paused_at_capture: list[bool] = []
-    factory = lambda: ReplayByRerun(  # noqa: E731
+    factory = lambda: RecordedGraph(  # noqa: E731
         lambda: paused_at_capture.append(mapper is None or mapper._paused > 0))
     runner = DecodeGraphRunner(model, attn, max_batch_size=6, graph_factory=factory,
                                mapper=mapper)

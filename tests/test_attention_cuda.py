@@ -40,6 +40,7 @@ from attention_scenarios import (  # sets TRITON_INTERPRET without CUDA
     run_child,
     run_scenario,
 )
+from skip_policy import cpu_only
 from triton_required import needs_triton
 
 from vmkv.attention import create_attention_backend
@@ -70,7 +71,7 @@ def _virtual_scenario(kernel: str, dtype_name: str) -> None:
 
 
 # -- CPU tests ----------------------------------------------------------------------------------
-@pytest.mark.skipif(CUDA, reason="CPU plumbing test (the GPU runs the real kernels below)")
+@cpu_only  # plumbing (the GPU runs the real kernels below)
 @pytest.mark.parametrize(("kernel", "dtype"), [
     ("aten-flash", "float16"),  # injected reference + meta-shape check of the real op
     ("flash-attn", "bfloat16"),  # injected fake package
@@ -122,7 +123,7 @@ def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
     kv.check()
 
 
-@pytest.mark.skipif(CUDA, reason="CPU plumbing test")
+@cpu_only  # plumbing
 def test_paged_flash_attn_plumbing_uses_block_tables() -> None:
     kv = paged_cache(torch.bfloat16, block_size=256, num_blocks=8)
     fa = FakeFlashAttn()

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from skip_policy import require_mkl
 
 from vmkv.bench.profile import PARTS
 from vmkv.cli import main
-from vmkv.models.linear import mkl_available
 
 
 @pytest.mark.usefixtures("default_model")
@@ -21,26 +21,26 @@ def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, layers: 
     layers time their own GEMMs)."""
     monkeypatch.setenv("VMKV_COMPILE", "1" if layers == "compiled" else "0")
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "1" if layers == "fused" else "0")
-    if layers == "fused" and not mkl_available():
-        pytest.skip("torch without MKL's packed GEMM")
+    if layers == "fused":
+        require_mkl()
     # fused layers need MKL linears, which "auto" picks only on Intel CPUs
     backend = ["--linear-backend", "mkl"] if layers == "fused" else []
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     assert main(["bench", "profile", "--kv-mode", kv_mode, "--batch-size", "3",
                  "--context-len", "40", "--prefill-batch", "2", "--prefill-len", "24",
-                 "--repeats", "2", "--warmup", "1", *backend, "--json", str(out),
+                 "--repeats", "1", "--warmup", "1", *backend, "--json", str(out),
                  "--plot", str(png)]) == 0
     result = json.loads(out.read_text())
     assert result["compiled"] == (layers == "compiled")
     assert result["fused_layers"] == (layers == "fused")
-    assert result["rates"]["gemm_flops_per_s"] > 1e9
-    assert result["rates"]["bandwidth_bytes_per_s"] > 1e8
+    assert all(0 < rate < float("inf") for rate in result["rates"].values())
     decode, prefill = result["phases"]
     assert (decode["new_tokens"], decode["sampled"]) == (3, 3)
     assert (prefill["new_tokens"], prefill["sampled"]) == (48, 2)
     for phase in (decode, prefill):
-        # medians of parts need not add up exactly; each sample's parts do (to rounding)
-        assert sum(phase[p] for p in PARTS) == pytest.approx(phase["step_ms"], rel=0.25)
+        # one measured step per phase: its parts add up to its wall time (medians of several
+        # steps' parts would not); the parts are nested timings, none negative
+        assert sum(phase[p] for p in PARTS) == pytest.approx(phase["step_ms"], rel=1e-9)
         assert all(phase[p] >= 0 for p in PARTS if p != "engine_python")
         assert phase["gemm"] > 0 and phase["attention"] > 0 and phase["lm_head"] > 0
         # 30 layers x 4 linears x 2 FLOPs per multiply-add of the model's weights

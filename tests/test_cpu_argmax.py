@@ -7,10 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from skip_policy import require_cpu_kernel
 
 from vmkv.kernels import cpu_argmax
 
-pytestmark = pytest.mark.skipif(cpu_argmax._lib() is None, reason="no C++ compiler")
+
+@pytest.fixture(autouse=True, scope="module")
+def _built() -> None:
+    """A library that did not build fails every test here, with the compiler's output."""
+    require_cpu_kernel(cpu_argmax)
 
 
 def check(logits: torch.Tensor) -> None:

@@ -11,11 +11,17 @@ import textwrap
 
 import pytest
 import torch
+from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel
 
 from vmkv.attention.sdpa import attend_one
 from vmkv.kernels import cpu_attention
+from vmkv.kernels.build import load_failure
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler")
+
+@pytest.fixture(autouse=True, scope="module")
+def _built() -> None:
+    """A library that did not build fails every test here, with the compiler's output."""
+    require_cpu_kernel(cpu_attention)
 
 
 #: the source's code paths: -march=native (AVX-512 or AVX2 intrinsics, whichever the CPU has),
@@ -27,7 +33,12 @@ BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
 @pytest.fixture(params=list(BUILDS))
 def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The kernel library built for one of :data:`BUILDS`."""
+    if request.param != "native" and not X86_64:  # x86 instruction-set switches
+        pytest.skip(f"{NEEDS_X86}: the {request.param} build")
     flags = (*cpu_attention.FLAGS, *BUILDS[request.param])
+    require(lambda: cpu_attention.build(flags) is not None,
+            f"the {request.param} build of {cpu_attention.LIBRARY}",
+            lambda: load_failure(cpu_attention.LIBRARY))
     monkeypatch.setattr(cpu_attention, "_lib", lambda: cpu_attention.build(flags))
     return request.param
 

@@ -16,26 +16,23 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from skip_policy import NEEDS_NVCC, cpu_only, needs_nvcc
 
 from vmkv.kernels import cuda_twins
 
 NVCC = shutil.which("nvcc")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 
 @needs_nvcc
 def test_paged_attention_cu_compiles_for_sm90(tmp_path: Path) -> None:
     cmd = [NVCC, "-std=c++17", "-arch=sm_90", "-c", str(cuda_twins.SOURCE),
            "-o", str(tmp_path / "paged_attention.o")]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # a hang guard
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - start < 60
 
 
 @needs_nvcc
@@ -57,9 +54,8 @@ def test_shared_library_loads_and_validates_arguments(tmp_path: Path) -> None:
         assert err not in (0, 1) and lib.vmkv_error_string(err)
 
 
+@cpu_only
 def test_wrappers_raise_clearly_without_cuda() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available")
     q = torch.zeros(1, 4, 64)
     k = torch.zeros(2, 16, 2, 64)
     one = torch.ones(1, dtype=torch.int32)
@@ -192,8 +188,7 @@ def _cuda_include() -> Path | None:
     return next((inc for inc in found if (inc / "cuda_runtime.h").exists()), None)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
-                    reason="needs g++ (C++20) and the CUDA headers")
+@pytest.mark.skipif(_cuda_include() is None, reason=f"{NEEDS_NVCC}: its headers")
 def test_cuda_twins_on_cpu_thread_emulator(tmp_path: Path) -> None:
     src = cuda_twins.SOURCE.read_text()
     # kernel<<<grid, threads, smem, stream>>>(args); -> emu::launch(kernel, grid, ..., args);
@@ -252,7 +247,6 @@ def test_cuda_twins_on_cpu_thread_emulator(tmp_path: Path) -> None:
                          [(1, 64, 16), (3, 64, 64), (4, 128, 16), (8, 128, 256)])
 def test_cuda_twins_match_triton_and_reference(group: int, head_dim: int, block_size: int,
                                                dtype: torch.dtype) -> None:
-    pytest.importorskip("triton")
     from vmkv.kernels import triton_decode
 
     torch.manual_seed(group * 1000 + head_dim + block_size)
@@ -281,7 +275,6 @@ def test_cuda_twins_match_triton_and_reference(group: int, head_dim: int, block_
 def test_cuda_and_triton_twins_use_int64_slot_offsets() -> None:
     """Slot 2 of an all-layers buffer (token stride 8*2*2*64 = 2048) starts past 2**32
     elements; int32 offset arithmetic would wrap."""
-    pytest.importorskip("triton")
     from vmkv.kernels import triton_decode
 
     slot_tokens, layers, kv_heads, head_dim = 1 << 20, 8, 2, 64

@@ -1,8 +1,10 @@
 """Decode CUDA graphs: buckets, padding, static-buffer plumbing, mapper pause.
 
-On CPU the graph is a test double (``graph_scenarios.ReplayByRerun``): a replay only sees new
-inputs through the static buffers, so anything baked in at capture time fails the replay =
-eager comparison. The kernels are the real ones (Triton under TRITON_INTERPRET=1, or the
+On CPU the graph is a test double (``graph_scenarios.RecordedGraph``) that freezes what a
+capture freezes: the kernels a capture ran, with their arguments, are what a replay runs; new
+inputs arrive only through the static buffers, so anything baked in at capture time, or read
+from Python state afterwards, fails the replay = eager comparison (shown by a planted read
+below). The kernels are the real ones (Triton under TRITON_INTERPRET=1, or the
 injected FlashAttention reference). Real ``torch.cuda.CUDAGraph`` capture and replay run only
 in the ``gpu`` tests below. The scenarios live in ``graph_scenarios`` (pytest-free: the GPU
 check runs them too).
@@ -11,6 +13,7 @@ check runs them too).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,13 +21,14 @@ import pytest
 import torch
 from attention_scenarios import run_child  # sets TRITON_INTERPRET without CUDA
 from graph_scenarios import (
-    ReplayByRerun,
+    RecordedGraph,
     eager,
     gpu_paged_replay,
     gpu_virtual_replay,
     tiny_model,
     virtual_setup,
 )
+from skip_policy import cpu_only
 from triton_required import needs_triton
 
 from vmkv.engine.cuda_graphs import (
@@ -45,7 +49,7 @@ def test_batch_sizes_and_buckets() -> None:
         default_batch_sizes(0)
     model, cfg = tiny_model(torch.float16, "cpu")
     kv, attn = virtual_setup("aten-flash", cfg)
-    runner = DecodeGraphRunner(model, attn, max_batch_size=6, graph_factory=ReplayByRerun)
+    runner = DecodeGraphRunner(model, attn, max_batch_size=6, graph_factory=RecordedGraph)
     assert [runner.bucket_for(n) for n in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, None]
     assert runner.can_run([1, 1, 1]) and not runner.can_run([1, 2]) and not runner.can_run([])
     assert not runner.can_run([1] * 7)
@@ -55,7 +59,7 @@ def test_batch_sizes_and_buckets() -> None:
         runner.run(["a"], [0], [1], [0])
 
 
-@pytest.mark.skipif(CUDA, reason="CPU double of the graph (GPU: test_gpu_graphs_*)")
+@cpu_only  # the CPU double of the graph (GPU: test_gpu_graphs_*)
 @pytest.mark.parametrize("case", [
     "virtual-aten-flash",
     pytest.param("virtual-triton", marks=needs_triton),
@@ -66,12 +70,50 @@ def test_replay_through_static_buffers_equals_eager(case: str) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
+def _decode_graph_vs_eager(plant: bool) -> float:
+    """One decode step of two requests through a captured graph and eagerly; the largest
+    difference. ``plant``: the attention reads the sequence lengths from Python state (the
+    host array of the latest step built) instead of the step's device tensor."""
+    model, cfg = tiny_model(torch.float16, "cpu")
+    kv, attn = virtual_setup("aten-flash", cfg)
+    if plant:
+        build_step, kernel = attn.build_step, attn._kernel
+
+        def remembering(*args, **kwargs):  # type: ignore[no-untyped-def]
+            step = build_step(*args, **kwargs)
+            attn.host_seq_lens = step.arrays["seq_lens"]  # type: ignore[attr-defined]
+            return step
+
+        def reading_host_state(layer, q, meta, scale):  # type: ignore[no-untyped-def]
+            lens = torch.from_numpy(attn.host_seq_lens)  # type: ignore[attr-defined]
+            return kernel(layer, q, replace(meta, seq_lens=lens), scale)
+
+        attn.build_step, attn._kernel = remembering, reading_host_state  # type: ignore
+    runner = DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=RecordedGraph)
+    runner.capture()
+    assert kv.allocate("a", 5) and kv.allocate("b", 9)
+    eager(model, attn, ["a", "b"], [0, 0], [5, 9], list(range(3, 17)))
+    assert kv.allocate("a", 1) and kv.allocate("b", 1)
+    graph = runner.run(["a", "b"], [5, 9], [20, 21], [5, 9]).clone()
+    ref = eager(model, attn, ["a", "b"], [5, 9], [1, 1], [20, 21])
+    return float((graph.float() - ref.float()).abs().max())
+
+
+def test_the_graph_double_catches_a_replay_time_read_of_python_state() -> None:
+    """A real graph replays the kernels of its capture with the arguments they had then; the
+    double does the same, so a forward that reads Python state after the capture (planted
+    here) gives a replay that differs from the eager step, as it would on a GPU. (A double
+    that re-ran the Python of the step on each replay passed it.)"""
+    assert _decode_graph_vs_eager(plant=False) == 0.0
+    assert _decode_graph_vs_eager(plant=True) > 0.1  # the capture's lengths (0): no keys read
+
+
 def test_capture_pauses_the_mapper_and_drops_its_work() -> None:
     model, cfg = tiny_model(torch.float16, "cpu")
     kv, attn = virtual_setup("aten-flash", cfg)
     mapper = BackgroundMapper(kv.backend)
     dropped: list[int] = []
-    factory = lambda: ReplayByRerun(  # noqa: E731
+    factory = lambda: RecordedGraph(  # noqa: E731
         lambda: dropped.append(mapper.submit([lambda: None])))
     runner = DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=factory,
                                mapper=mapper)
@@ -85,7 +127,7 @@ def test_capture_pauses_the_mapper_and_drops_its_work() -> None:
 def test_a_step_with_a_different_layout_is_refused() -> None:
     model, cfg = tiny_model(torch.float16, "cpu")
     kv, attn = virtual_setup("aten-flash", cfg)
-    runner = DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=ReplayByRerun)
+    runner = DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=RecordedGraph)
     runner.capture()
     assert kv.allocate("a", 3)
     original = attn.build_step
@@ -105,7 +147,7 @@ def test_backends_that_cannot_be_captured_are_refused(caplog: pytest.LogCaptureF
     kv, attn = virtual_setup("sdpa", cfg, torch.float32)
     assert not attn.supports_cuda_graphs
     with pytest.raises(ValueError, match="cannot be captured"):
-        DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=ReplayByRerun)
+        DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=RecordedGraph)
     assert maybe_create_graph_runner(model, attn, max_batch_size=2) is None  # CPU model
     # a CUDA model with this backend: refused with a warning, before anything is captured
     # (a stand-in for the model: only its device is read on this path; no GPU here)

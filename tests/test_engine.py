@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from skip_policy import require_mkl
 
 from vmkv import LLM, SamplingParams
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.models.linear import mkl_available
 
 pytestmark = pytest.mark.usefixtures("default_model")
 
@@ -196,6 +196,7 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
     assert "maximum concurrency for 2,048 tokens per request" in on[1]
     assert on[1].endswith("prefix caching on")  # the default, as in vLLM
     assert "layout per-layer, page 16 KiB = 21.33 tokens" in on[2]
+    assert on[3] == "CPU kernels: attention, argmax, decoder layers compiled"
     off = make_llm("paged", enable_prefix_caching=False).engine.startup_report()
     assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]
 
@@ -223,8 +224,7 @@ def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch
     """A float32 CPU engine with MKL linears runs its decoder layers as fused C++ calls by
     default, in both KV modes, with the tokens of the layers run as torch modules; other
     linear backends and VMKV_FUSED_LAYERS=0 keep the modules."""
-    if not mkl_available():
-        pytest.skip("torch without MKL's packed GEMM")
+    require_mkl()
     fused = {mode: make_llm(mode, linear_backend="mkl") for mode in ("virtual", "paged")}
     for llm in fused.values():
         assert llm.engine.fused is not None and not llm.engine.compiled

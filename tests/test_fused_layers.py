@@ -10,15 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from model_helpers import make_kv, prefill_logits, save_random_model
+from skip_policy import require_cpu_kernel, require_mkl
 
 from vmkv.kernels import cpu_decoder_layer as kernels
 from vmkv.models import load_model
 from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
-from vmkv.models.linear import mkl_available
 
-transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not mkl_available(), reason="torch without MKL's packed GEMM")
+
+@pytest.fixture(autouse=True, scope="module")
+def _fusable() -> None:
+    """The fused path needs MKL's packed GEMM in torch and the kernel library built."""
+    require_mkl()
+    require_cpu_kernel(kernels)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

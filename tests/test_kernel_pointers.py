@@ -51,6 +51,7 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
     run_state_machine_as_test,
 )
+from skip_policy import cpu_only  # noqa: E402
 from triton_required import needs_triton  # noqa: E402
 
 from vmkv.attention.cuda import CudaAttentionBackend  # noqa: E402
@@ -257,7 +258,7 @@ def _triton_step(layout: str) -> None:
     kv.close()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CUDA device where launches fail")
+@cpu_only  # a device where Triton cannot launch: here, none at all
 def test_triton_that_cannot_launch_means_the_torch_paths_with_one_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     """An import is not enough: Triton must launch a kernel on the device (here none exists, as

@@ -3,14 +3,18 @@ since no GPU exists on CI), and real mapping on a GPU (``gpu`` marker)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from fake_cuda_driver import FakeDriver
+from fake_cuda_driver import CUresult, FakeDriver
+from skip_policy import cpu_only
 
 from vmkv.config import CacheConfig
 from vmkv.kv import KVSpec, VirtualKVCache, create_kv_cache
 from vmkv.memory import BackendUnavailable, PagePool, VirtualRegion, VmmError
 from vmkv.memory.cuda import CudaMemoryBackend
+from vmkv.memory.mapper import BackgroundMapper
 
 GRAN = 2 << 20
 
@@ -29,7 +33,7 @@ def fake_backend(max_pages: int = 64, page_size: int | None = None) -> MetaCudaB
     return MetaCudaBackend(page_size, max_pages, 0, driver=FakeDriver(GRAN))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+@cpu_only
 def test_without_a_driver_construction_fails_clearly() -> None:
     with pytest.raises(BackendUnavailable, match="^CUDA VMM unavailable: "):
         CudaMemoryBackend(None, 4)
@@ -108,6 +112,41 @@ def test_virtual_kv_cache_obeys_the_driver_rules() -> None:
     kv.close()
     backend.close()
     assert not drv.maps and not drv.handles and not drv.reservations
+
+
+def test_the_mapper_thread_binds_the_device_context_before_its_first_unit() -> None:
+    """A thread starts with no CUDA context, and the driver refuses context-bound calls there
+    (the pointer query torch and Triton's launcher make for every tensor): the mapper's
+    default ``thread_init``, the backend's ``bind_thread``, makes the device's primary context
+    current on the mapper thread before its units run."""
+    backend = fake_backend()
+    drv = backend.cu
+    region = VirtualRegion(PagePool(backend, 8), 4 * GRAN)
+    region.map_new(0, 1)
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+
+    def probe() -> tuple[int, object]:
+        """This thread's context, and the driver's answer about the mapped base."""
+        return int(drv.cuCtxGetCurrent()[1]), drv.cuPointerGetAttribute(attr, region.base)[0]
+
+    primary = int(drv.cuCtxGetCurrent()[1])  # the constructor bound its own thread
+    assert primary != 0 and probe() == (primary, CUresult.CUDA_SUCCESS)
+    seen: list[tuple[int, object]] = []
+    plain = threading.Thread(target=lambda: seen.append(probe()))
+    plain.start()
+    plain.join()
+    unbound = BackgroundMapper(backend, thread_init=lambda: None)
+    unbound.submit([lambda: seen.append(probe())])
+    unbound.wait()
+    unbound.close()
+    mapper = BackgroundMapper(backend)  # thread_init: backend.bind_thread
+    mapper.submit([lambda: seen.append(probe()), lambda: region.map_new(1, 2)])
+    mapper.wait()
+    mapper.close()
+    no_context = (0, CUresult.CUDA_ERROR_INVALID_CONTEXT)
+    assert seen == [no_context, no_context, (primary, CUresult.CUDA_SUCCESS)]
+    assert region.num_mapped == 3 and drv.calls.count("cuMemMap") == 3
+    region.close()
 
 
 @pytest.mark.gpu

@@ -194,7 +194,11 @@ def test_500_random_requests_with_shared_prefixes_evictions_and_aborts(mode: str
     usage = kv.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0
     assert kv.prefix.hits > 0 and kv.prefix.queries > kv.prefix.hits
-    assert kv.prefix.evict(10**9) >= 0 and kv.usage.bytes_cached == 0
+    # every cached unit is the cache's alone now: evicting frees all of them, nothing else
+    cached, evictable = len(kv.prefix), kv.prefix.num_evictable()
+    assert cached > 0 and evictable >= cached and kv.usage.bytes_cached > 0
+    assert kv.prefix.evict(10**9) == evictable
+    assert len(kv.prefix) == 0 and kv.prefix.num_evictable() == 0 and kv.usage.bytes_cached == 0
     if mode == "paged":
         assert kv.pool.num_in_use == 0
     else:  # only idle slots' deferred pages remain; reclaiming them leaves nothing

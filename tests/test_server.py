@@ -100,7 +100,10 @@ def wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
 # -- the openai client ----------------------------------------------------------------------------
 def test_models_health_version(srv: Running, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{srv.url}/health").status_code == 200
+    health = httpx.get(f"{srv.url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "cpu_kernels": {  # which C++ kernels run
+        "attention": "compiled", "argmax": "compiled", "decoder_layers": "compiled"}}
     assert httpx.get(f"{srv.url}/version").json()["version"]
 
 

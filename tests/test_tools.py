@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -140,11 +141,31 @@ def test_required_and_named_calls_always_validate(smol: Running, tool_choice: ob
 
 
 def test_required_allows_several_calls_by_default(smol: Running) -> None:
-    r = client_of(smol).chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
-        max_tokens=200)
-    assert r.choices[0].finish_reason == "tool_calls"
-    assert_valid_calls(r.choices[0].message.tool_calls)
+    """Without ``parallel_tool_calls: false`` the grammar is an array of one or more calls:
+    sampled answers to a request for two sums include one with several valid calls (greedy,
+    this model repeats calls until ``max_tokens``). Seeds in batches until one has them."""
+    client = client_of(smol)
+    ask = [{"role": "user", "content": "Add 1 and 2, then add 3 and 4."}]
+
+    def answer(seed: int) -> list:
+        r = client.chat.completions.create(
+            model=MODEL, messages=ask, tools=TOOLS, tool_choice="required", temperature=1.0,
+            seed=seed, max_tokens=300)
+        choice = r.choices[0]
+        if choice.finish_reason == "length":  # an array still open: no calls to check
+            return []
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert_valid_calls(choice.message.tool_calls)
+        return choice.message.tool_calls
+
+    most = 0
+    with ThreadPoolExecutor(8) as pool:
+        for first in range(0, 32, 8):  # 1 in 4 answers had several calls (seeds 0-15)
+            seeds = range(first, first + 8)
+            most = max(most, *(len(calls) for calls in pool.map(answer, seeds)))
+            if most >= 2:
+                break
+    assert most >= 2
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [

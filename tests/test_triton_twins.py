@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 import triton_required
+from skip_policy import cpu_only
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (module import)
@@ -241,7 +242,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="host-VMM child test (CPU interpreter only)")
+@cpu_only  # a host-VMM child under the CPU interpreter
 @pytest.mark.parametrize(("extra", "returncode"), [(0, 0), (1, -11)])
 def test_virtual_slots_need_int64_and_read_only_mapped_tokens(extra: int, returncode: int
                                                                 ) -> None:

@@ -27,6 +27,7 @@ from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.shard import build_shard
 from vmkv.engine.stopping import check_stop, stream_safe_len
+from vmkv.kernels import cpu_kernels
 from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
@@ -114,7 +115,8 @@ class LLMEngine:
 
     # -- reporting ----------------------------------------------------------------------------
     def startup_report(self) -> list[str]:
-        """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
+        """What vLLM users read at start-up: capacity, concurrency, the KV geometry, which CPU
+        kernels run (on the CPU) and how the decoder layers run."""
         kv, cap = self.kv, self.kv.capacity_tokens
         lines = [
             f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}: "
@@ -125,6 +127,7 @@ class LLMEngine:
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
             kv.describe(),
+            *([cpu_kernels.report_line()] if self.model.device.type == "cpu" else []),
             ("decoder layers fused (C++ calls around the attention)" if self.fused is not None
              else "decoder layers compiled (TorchInductor)" if self.compiled
              else "model runs eagerly"),

@@ -6,6 +6,11 @@ not hand an AVX-512 build to a CPU without AVX-512), cached under ``$VMKV_BUILD_
 ``~/.cache/vmkv/csrc``) and published with an atomic rename, so concurrent builders never load a
 partial file. The libraries have a plain C ABI and link no torch: no torch headers to compile,
 no dependence on torch's C++ ABI.
+
+A CPU library that cannot be built (no compiler, a compile error) is not an error for the
+engine: :func:`load_cpu_library` logs one warning line naming what runs instead and keeps the
+compiler's output (:func:`load_failure`; also saved next to the cache as ``<name>_<hash>.log``),
+so the start-up report can say which kernels run and the tests can fail with the build log.
 """
 
 from __future__ import annotations
@@ -29,13 +34,32 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 CPU_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 logger = logging.getLogger(__name__)
+#: why each CPU library that did not load failed, by library name (its latest attempt)
+_failures: dict[str, str] = {}
+
+
+class BuildError(RuntimeError):
+    """A compiler refused a kernel source; ``output`` is what it printed, also kept in
+    ``log`` (a file in the build folder)."""
+
+    def __init__(self, cmd: Sequence[str], output: str, log: Path) -> None:
+        super().__init__(f"build failed ({' '.join(cmd)}; log {log}):\n{output}")
+        self.output = output
+        self.log = log
+
+    def first_error(self) -> str:
+        """The compiler's first ``error`` line (else its first line)."""
+        lines = [line.strip() for line in self.output.splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        return (errors or lines or ["no output"])[0]
 
 
 def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name: str,
                          out_dir: str | Path | None = None, verbose: bool = False) -> Path:
     """Path of ``source`` built with ``compiler flags``; builds it if no cached copy exists.
 
-    Raises RuntimeError with the compiler's output when the build fails.
+    Raises :class:`BuildError` (a RuntimeError) with the compiler's output when the build
+    fails; the output is also written to ``<name>_<hash>.log`` in the build folder.
     """
     if not source.is_file():
         raise RuntimeError(f"kernel source {source} is missing (vmkv needs its source tree)")
@@ -52,7 +76,10 @@ def build_shared_library(source: Path, compiler: str, flags: Sequence[str], name
     proc = subprocess.run(cmd, capture_output=not verbose, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"build failed ({' '.join(cmd)}):\n{proc.stderr}")
+        log = lib_path.with_suffix(".log")
+        output = proc.stderr or "(printed above: verbose build)"
+        log.write_text(f"$ {' '.join(cmd)}\n{output}")
+        raise BuildError(cmd, output, log)
     os.replace(tmp, lib_path)
     return lib_path
 
@@ -71,14 +98,30 @@ def load(path: Path) -> ctypes.CDLL:
 
 def load_cpu_library(source: Path, flags: Sequence[str], name: str, fallback: str
                      ) -> ctypes.CDLL | None:
-    """``source`` built by g++ (or c++) with ``flags`` and opened; None, with one warning
-    saying ``fallback`` (what runs instead), without a compiler or when the build fails."""
+    """``source`` built by g++ (or c++) with ``flags`` and opened; None without a compiler or
+    when the build fails, with one warning line saying why and ``fallback`` (what runs
+    instead). The whole reason (the compiler's output) is kept for :func:`load_failure`."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("no C++ compiler for %s: %s", name, fallback)
-        return None
+        return _failed(name, "no C++ compiler (g++ or c++) on PATH", "", fallback)
     try:
-        return load(build_shared_library(source, compiler, flags, name))
-    except (RuntimeError, OSError) as exc:
-        logger.warning("%s unavailable (%s): %s", name, exc, fallback)
-        return None
+        lib = load(build_shared_library(source, compiler, flags, name))
+    except BuildError as exc:
+        return _failed(name, str(exc), f"{exc.first_error()} (full log: {exc.log})", fallback)
+    except (RuntimeError, OSError) as exc:  # no source tree; built, but the loader refused it
+        return _failed(name, str(exc), "", fallback)
+    _failures.pop(name, None)
+    return lib
+
+
+def _failed(name: str, reason: str, line: str, fallback: str) -> None:
+    """Record why ``name`` did not load and say it in one warning line."""
+    _failures[name] = reason
+    logger.warning("%s is not available (%s): %s", name, line or reason.splitlines()[0],
+                   fallback)
+
+
+def load_failure(name: str) -> str | None:
+    """Why the latest load of the CPU library ``name`` in this process failed (for a build:
+    the command and the compiler's whole output); None when it loaded or was never tried."""
+    return _failures.get(name)

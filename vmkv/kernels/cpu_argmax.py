@@ -3,8 +3,9 @@
 torch's CPU ``argmax`` reduces with an index in tow, one element at a time: 2.3 ms for 64 rows of
 a 49,152-token vocabulary on a 2-core AVX-512 machine, against 0.4 ms here (two vectorised
 passes per row). The answer is torch's: the first maximum, or the first NaN of a row that has
-one. Anything the kernel does not take (not a CPU float32 matrix with unit column stride, no
-compiler) goes to ``torch.argmax``.
+one. Anything the kernel does not take (not a CPU float32 matrix with unit column stride) goes to
+``torch.argmax``, and so does everything when the library cannot be built (one warning says
+why).
 """
 
 from __future__ import annotations
@@ -17,17 +18,25 @@ import torch
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_argmax.cpp"
+LIBRARY = "vmkv_cpu_argmax"
+#: what runs without the library
+FALLBACK = "torch.argmax instead"
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = load_cpu_library(SOURCE, CPU_FLAGS, "vmkv_cpu_argmax", "torch.argmax instead")
+    lib = load_cpu_library(SOURCE, CPU_FLAGS, LIBRARY, FALLBACK)
     if lib is None:
         return None
     lib.vmkv_cpu_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_void_p]
     lib.vmkv_cpu_argmax.restype = ctypes.c_int
     return lib
+
+
+def available() -> bool:
+    """Whether the library builds and loads here (builds it on the first call)."""
+    return _lib() is not None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

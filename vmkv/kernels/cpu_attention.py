@@ -7,8 +7,9 @@ t % bs``). The same loops run in both modes, so they produce bit-identical outpu
 data. float32 or bfloat16 tensors (q, K/V and out alike; float32 arithmetic either way).
 
 The library builds once with ``g++ -O3 -fopenmp`` (about a second; cached, see
-:mod:`vmkv.kernels.build`). Where no compiler is available :func:`available` is False and the
-attention backends fall back to per-request SDPA.
+:mod:`vmkv.kernels.build`). Where it cannot be built (no compiler, a compile error)
+:func:`available` is False, one warning says why, and the attention backends fall back to
+:data:`FALLBACK`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_attention.cpp"
 FLAGS = CPU_FLAGS
+LIBRARY = "vmkv_cpu_attention"
+#: what runs without the library
+FALLBACK = "per-request SDPA instead"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 #: the kernels' element types and their codes in the C ABI
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
@@ -47,11 +51,12 @@ def _lib() -> ctypes.CDLL | None:
 
 @functools.cache
 def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernel library built with ``flags`` (cached); None without a working compiler.
+    """The kernel library built with ``flags`` (cached); None where it cannot be built (the
+    reason: ``vmkv.kernels.build.load_failure(LIBRARY)``).
 
     The source has AVX-512, AVX2 and portable paths (the compiler's choice by ``-march``);
     tests build each one the CPU can run (``-mno-avx512f``, ``-mno-avx2``)."""
-    lib = load_cpu_library(SOURCE, flags, "vmkv_cpu_attention", "per-request SDPA instead")
+    lib = load_cpu_library(SOURCE, flags, LIBRARY, FALLBACK)
     if lib is None:
         return None
     lib.vmkv_cpu_decode_attention.argtypes = _DECODE_ARGTYPES

@@ -8,8 +8,8 @@
 The GEMMs are MKL's packed compute on the weights :class:`~vmkv.models.linear.PackedLinear`
 packed at load; the library gets ``cblas_sgemm_compute``'s address from torch's own
 ``libtorch_cpu`` (:func:`vmkv.models.linear.mkl_compute_address`). Built like the other CPU
-kernels (g++, cached; :mod:`vmkv.kernels.build`); without a compiler :func:`available` is False
-and the model runs its layers as torch modules.
+kernels (g++, cached; :mod:`vmkv.kernels.build`); where it cannot be built :func:`available` is
+False (one warning says why) and the model runs its layers as torch modules.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import functools
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_decoder_layer.cpp"
+LIBRARY = "vmkv_cpu_decoder_layer"
+#: what runs without the library
+FALLBACK = "the decoder layers run as torch modules"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 #: ``ns`` counters of :class:`LayerShape` (profiling): GEMMs, elementwise loops
 GEMM_NS, ELEMENTWISE_NS = 0, 1
@@ -51,8 +54,7 @@ class LayerShape(ctypes.Structure):
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = load_cpu_library(SOURCE, CPU_FLAGS, "vmkv_cpu_decoder_layer",
-                           "the decoder layers run as torch modules")
+    lib = load_cpu_library(SOURCE, CPU_FLAGS, LIBRARY, FALLBACK)
     if lib is None:
         return None
     shape, layer = ctypes.POINTER(LayerShape), ctypes.POINTER(DecoderLayerArgs)
