@@ -11,6 +11,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # ...and a short spin saves wa
 # engines run eagerly in the suite (compiling every test's model would cost minutes); the tests
 # of the compiled path turn it back on with monkeypatch.setenv("VMKV_COMPILE", "1")
 os.environ.setdefault("VMKV_COMPILE", "0")
+# dtype="auto" means float32 in the suite on every machine (bfloat16 where the CPU has bf16
+# hardware otherwise): the equality checks against float32 transformers need it; the bfloat16
+# tests ask for bfloat16 explicitly
+os.environ.setdefault("VMKV_AUTO_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import skip_policy  # noqa: E402

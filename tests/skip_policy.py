@@ -25,8 +25,9 @@ NEEDS_CUDA = "needs a CUDA device"
 CPU_ONLY = "CPU-only test: a CUDA device is present"
 NEEDS_NVCC = "needs the CUDA toolkit (nvcc), a GPU-only package"
 NEEDS_X86 = "needs an x86-64 CPU (torch has MKL's packed GEMM only there)"
+NEEDS_BF16 = "needs a CPU with bfloat16 hardware (amx_bf16 or avx512_bf16)"
 #: the skip reasons the suite allows (a reason may add detail after one of them)
-REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86)
+REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86, NEEDS_BF16)
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason=NEEDS_CUDA)
 cpu_only = pytest.mark.skipif(CUDA, reason=CPU_ONLY)
@@ -64,6 +65,19 @@ def require_cpu_kernel(module: ModuleType) -> None:
 
     require(module.available, f"the C++ kernel library {module.LIBRARY} ({module.SOURCE.name})",
             lambda: load_failure(module.LIBRARY))
+
+
+def require_bf16_kernels() -> None:
+    """Skip where the CPU has no bfloat16 hardware; elsewhere fail unless the bf16 kernels run
+    (their library built, torch exports oneDNN's brgemm ukernel)."""
+    from vmkv.cpu_info import bf16_hardware
+    from vmkv.kernels import cpu_bf16
+    from vmkv.kernels.build import load_failure
+
+    if not bf16_hardware():
+        pytest.skip(NEEDS_BF16)
+    require(cpu_bf16.available, f"the bfloat16 kernels ({cpu_bf16.SOURCE.name})",
+            lambda: f"{cpu_bf16.unavailable_reason()}\n{load_failure(cpu_bf16.LIBRARY) or ''}")
 
 
 def require_default_model() -> None:

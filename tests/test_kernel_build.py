@@ -67,10 +67,11 @@ def test_no_compiler_is_a_failure_too(sources: Path, monkeypatch: pytest.MonkeyP
 
 def test_the_reports_say_which_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.status() == dict.fromkeys(cpu_kernels.KERNELS, "compiled")
+    bf16 = ", bf16 layers" if "bf16_layers" in cpu_kernels.KERNELS else ""  # bf16 hardware
     assert cpu_kernels.report_line() == (
-        "CPU kernels: attention, argmax, decoder layers compiled")
+        f"CPU kernels: attention, argmax, decoder layers{bf16} compiled")
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert cpu_kernels.status()["attention"] == "not built: per-request SDPA instead"
     assert cpu_kernels.report_line() == (
-        "CPU kernels: argmax, decoder layers compiled; attention not built: per-request SDPA "
-        "instead (see the warning above)")
+        f"CPU kernels: argmax, decoder layers{bf16} compiled; attention not built: per-request "
+        "SDPA instead (see the warning above)")

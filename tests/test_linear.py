@@ -1,11 +1,11 @@
-"""Packed linears (MKL, oneDNN): same results as F.linear up to float reassociation; the bias
-is never written; the backend choice and its errors."""
+"""Packed linears (MKL, oneDNN; brgemm in bfloat16): same results as F.linear up to float
+reassociation; the bias is never written; the backend choice and its errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from skip_policy import require, require_mkl
+from skip_policy import require, require_bf16_kernels, require_mkl
 from torch import nn
 
 from vmkv.models import linear as linear_module
@@ -74,3 +74,44 @@ def test_a_backend_this_torch_lacks_is_a_value_error(monkeypatch: pytest.MonkeyP
         PackedLinear(nn.Linear(4, 4), 64, "mkl")
     with pytest.raises(ValueError, match="linear_backend='mkl' needs torch built with MKL"):
         pack_linears(nn.Sequential(nn.Linear(4, 4)), "mkl")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "inp", "out"), [(0, 576, 960), (1, 576, 960), (7, 40, 50),
+                                                   (64, 1536, 576), (300, 576, 3072)])
+def test_brgemm_rounds_like_f_linear_in_bfloat16(bias: bool, rows: int, inp: int,
+                                                 out: int) -> None:
+    """bf16 results rounded once, as F.linear's (which accumulates in float32 too): equal but
+    for the rare element whose float32 sums straddle a rounding boundary (then 1 bf16 ulp);
+    the float32 output (the LM head's) is the exact product up to summation order. Covers one
+    row tile and several (decode, prefill), a partial last column block and odd shapes."""
+    require_bf16_kernels()
+    torch.manual_seed(rows + out)
+    linear = nn.Linear(inp, out, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(rows, inp).to(torch.bfloat16)
+    packed = PackedLinear(linear, 64, "brgemm")
+    want = nn.functional.linear(x, linear.weight, linear.bias)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    assert int((got != want).sum()) <= 1e-3 * got.numel()
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)
+    exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+    head = PackedLinear(linear, 64, "brgemm", out_dtype=torch.float32)
+    torch.testing.assert_close(head(x), exact, rtol=1e-4, atol=1e-4)
+    strided = torch.randn(rows, 2 * inp).to(torch.bfloat16)[:, ::2]  # row stride != width
+    assert torch.equal(packed(strided), packed(strided.contiguous()))
+
+
+def test_bfloat16_backends_and_refusals() -> None:
+    require_bf16_kernels()
+    assert resolve_backend("auto", torch.bfloat16) == "brgemm"
+    with pytest.raises(ValueError, match="float32 only"):
+        resolve_backend("mkl", torch.bfloat16)
+    with pytest.raises(ValueError, match="for bfloat16 weights"):
+        resolve_backend("brgemm")
+    model = nn.Sequential(nn.Linear(64, 64).to(torch.bfloat16))
+    model.lm_head = nn.Linear(64, 100, bias=False).to(torch.bfloat16)
+    assert pack_linears(model) == 2
+    assert model[0].out_dtype == torch.bfloat16 and model.lm_head.out_dtype == torch.float32
+    with pytest.raises(ValueError, match="a bf16 linear takes bfloat16"):
+        model[0](torch.randn(3, 64))

@@ -208,6 +208,9 @@ class EngineConfig:
         on other CPUs (bf16 emulated there ran 4-5x slower than float32)."""
         if self.dtype != "auto":
             return self.dtype, "asked for"
+        forced = envs.auto_dtype()
+        if forced is not None:
+            return forced, f"auto: {envs.VMKV_AUTO_DTYPE.name}={forced}"
         if self.device != "cpu":
             return "bfloat16", "auto on CUDA"
         flags = bf16_hardware()

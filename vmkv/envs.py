@@ -44,10 +44,16 @@ VMKV_COMPILE = EnvVar(
     "VMKV_COMPILE", "1",
     "CPU engines compile their decoder layers with TorchInductor (unless `--enforce-eager`); "
     "0: every engine of the process runs eagerly (the test suite sets it)")
+VMKV_AUTO_DTYPE = EnvVar(
+    "VMKV_AUTO_DTYPE", None,
+    "what `--dtype auto` resolves to (float32 or bfloat16); unset: bfloat16 on CUDA and on CPUs "
+    "with bfloat16 hardware, float32 on other CPUs (the test suite sets float32, so its "
+    "equality checks against float32 transformers hold on every machine)")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
-    "CPU float32 engines with MKL linears run each decoder layer but its attention as two C++ "
-    "calls (csrc/cpu_decoder_layer.cpp) instead of compiled torch modules; 0: off")
+    "CPU engines (float32 with MKL linears, bfloat16 with brgemm ones) run each decoder layer "
+    "but its attention as two C++ calls (csrc/cpu_decoder_layer.cpp, cpu_bf16_layer.cpp) "
+    "instead of compiled torch modules; 0: off")
 VMKV_BACKGROUND_MAPPER = EnvVar(
     "VMKV_BACKGROUND_MAPPER", "1",
     "virtual mode on CUDA: map the next steps' pages on a thread while the GPU computes; 0: map "
@@ -92,7 +98,7 @@ GOMP_SPINCOUNT = EnvVar(
 
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
-    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_FUSED_LAYERS,
+    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_AUTO_DTYPE, VMKV_FUSED_LAYERS,
     VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
     VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK, RANK, WORLD_SIZE,
@@ -117,6 +123,14 @@ def cuda_graphs() -> bool:
 
 def compile_enabled() -> bool:
     return _switch(VMKV_COMPILE)
+
+
+def auto_dtype() -> str | None:
+    """What ``dtype="auto"`` resolves to when forced (``VMKV_AUTO_DTYPE``), else None."""
+    value = VMKV_AUTO_DTYPE.get()
+    if value not in (None, "float32", "bfloat16"):
+        raise ValueError(f"VMKV_AUTO_DTYPE must be float32 or bfloat16, got {value!r}")
+    return value
 
 
 def fused_layers_enabled() -> bool:

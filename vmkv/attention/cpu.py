@@ -1,10 +1,12 @@
 """Attention on CPU, both KV modes: K/V read in place through the step's addressing.
 
-A step's decodes go to one batched kernel call per layer, and its prefill chunks to another
-(:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged mode).
-Without the kernels (no compiler, or neither float32 nor bfloat16) each request runs SDPA over
-its rows: a strided view of the slot (virtual, no copy) or a block-table gather (paged).
-Nothing past a request's length is read, so pages beyond it may stay unmapped.
+A step's decodes go to one batched kernel call per layer, and its short prefill chunks to
+another (:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged
+mode). Chunks of :data:`SDPA_MIN_QUERY` tokens or more run torch's SDPA per request (its flash
+kernel, on AMX tiles in bfloat16: 1.5-4x the batched kernel there) over a strided view of the
+slot (virtual, the cache read in place) or a block-table gather (paged); so does every request
+without the kernels (no compiler, or neither float32 nor bfloat16). Nothing past a request's
+length is read, so pages beyond it may stay unmapped.
 """
 
 from __future__ import annotations
@@ -20,15 +22,19 @@ from vmkv.attention.sdpa import attend_each
 from vmkv.attention.step import token_positions
 from vmkv.kv.base import KVCacheManager
 
+#: prefill chunks of at least this many new tokens run SDPA per request; shorter ones the
+#: batched kernel (one call for many requests beats a torch call each; docs/benchmarks.md)
+SDPA_MIN_QUERY = 16
+
 
 @dataclass
 class CpuStepMetadata(AttentionMetadata):
     """A CPU step: the decodes and the prefill chunks the kernels take, and the rows of the
-    requests left to SDPA (an empty slice for the kernels' ones)."""
+    requests left to SDPA (None for the kernels' ones)."""
 
     decode: cpu_batches.DecodeBatch | None
     prefill: cpu_batches.PrefillBatch | None
-    seq_rows: list[slice | torch.Tensor]
+    seq_rows: list[slice | torch.Tensor | None]  # None: a kernel attends it
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -52,12 +58,14 @@ class CpuAttentionBackend(AttentionBackend):
         req, pos = token_positions(ctx, qlens)
         decode = (cpu_batches.decode_batch(addr, context_lens, query_lens)
                   if self.batched_decode else None)
-        prefill = (cpu_batches.prefill_batch(addr, context_lens, query_lens)
+        prefill = (cpu_batches.prefill_batch(addr, context_lens, query_lens,
+                                             SDPA_MIN_QUERY - 1)
                    if self.batched_prefill else None)
-        seq_rows: list[slice | torch.Tensor] = []
+        seq_rows: list[slice | torch.Tensor | None] = []
         for b, (c, n) in enumerate(zip(context_lens, query_lens, strict=True)):
-            if (decode is not None and n == 1) or (prefill is not None and n > 1):
-                seq_rows.append(slice(0, 0))  # a kernel reads it in place
+            if (decode is not None and n == 1) or (prefill is not None
+                                                    and 1 < n < SDPA_MIN_QUERY):
+                seq_rows.append(None)  # a kernel reads it in place
                 continue
             rows = addr.sequence_rows(b, c + n)
             seq_rows.append(rows if isinstance(rows, slice) else torch.from_numpy(rows))
@@ -92,8 +100,7 @@ class CpuAttentionBackend(AttentionBackend):
             cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale)
         if meta.prefill is not None:
             cpu_batches.run_prefill(meta.prefill, q, k_flat, v_flat, out, scale)
-        if meta.decode is None or meta.prefill is None:
+        if any(rows is not None for rows in meta.seq_rows):
             attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens,
-                        meta.seq_rows, scale, skip_decode=meta.decode is not None,
-                        skip_prefill=meta.prefill is not None)
+                        meta.seq_rows, scale)
         return out

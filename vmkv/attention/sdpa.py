@@ -50,15 +50,13 @@ def _prefill(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, context_len: 
 
 def attend_each(out: torch.Tensor, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 context_lens: list[int], query_lens: list[int],
-                seq_rows: list[slice | torch.Tensor], scale: float, *,
-                skip_decode: bool = False, skip_prefill: bool = False) -> None:
+                seq_rows: list[slice | torch.Tensor | None], scale: float) -> None:
     """Fill ``out [T, Hq*D]`` request by request. Request i's keys are ``k_flat[seq_rows[i]]``:
     a slice of contiguous rows (virtual slots: a view, no copy) or an index tensor (block
-    tables: a gather). With ``skip_decode`` (``skip_prefill``) one-token (longer) requests are
-    left alone: a kernel wrote them."""
+    tables: a gather); a request whose rows are None is left alone (a kernel wrote it)."""
     pos = 0
     for rows, ctx, n in zip(seq_rows, context_lens, query_lens, strict=True):
-        if not (skip_decode if n == 1 else skip_prefill):
+        if rows is not None:
             if isinstance(rows, slice):
                 k, v = k_flat[rows], v_flat[rows]  # [len, Hkv, D] views
             else:

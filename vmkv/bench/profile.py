@@ -25,10 +25,10 @@ themselves while profiled (``clock_gettime`` around each GEMM); the rest of them
 (1 - process CPU time / (wall x threads)): waiting, not working.
 
 Rooflines, measured on this machine in the same run: FLOPs / the linear backend's rate on a
-2048^3 product in the engine's dtype, and bytes / the copy bandwidth of a 256 MiB tensor. Attention takes the larger
-of its FLOPs (QK and PV over every causal pair) and its bytes (each request's K/V read once);
-the K/V write writes the new rows; glue reads and writes the activations about
-``GLUE_PASSES`` times per layer; the sampler reads the logits.
+2048^3 product in the engine's dtype, and bytes / the copy bandwidth of a 256 MiB tensor.
+Attention takes the larger of its FLOPs (QK and PV over every causal pair) and its bytes (each
+request's K/V read once); the K/V write writes the new rows; glue reads and writes the
+activations about ``GLUE_PASSES`` times per layer; the sampler reads the logits.
 """
 
 from __future__ import annotations

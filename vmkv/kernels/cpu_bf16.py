@@ -25,6 +25,9 @@ from vmkv.cpu_info import bf16_hardware
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_bf16_layer.cpp"
+LIBRARY = "vmkv_cpu_bf16_layer"
+#: what runs where the library did not build
+FALLBACK = "bfloat16 linears run through oneDNN, the decoder layers as torch modules"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 #: ``ns`` counters of :class:`GemmArgs` (profiling): products (with their epilogues), the rest
 GEMM_NS, ELEMENTWISE_NS = 0, 1
@@ -74,8 +77,7 @@ def _ukernel() -> tuple[int, int] | None:
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = load_cpu_library(SOURCE, CPU_FLAGS, "vmkv_cpu_bf16_layer",
-                           "bfloat16 linears run through oneDNN")
+    lib = load_cpu_library(SOURCE, CPU_FLAGS, LIBRARY, FALLBACK)
     if lib is None:
         return None
     gemm, linear = ctypes.POINTER(GemmArgs), ctypes.POINTER(LinearArgs)

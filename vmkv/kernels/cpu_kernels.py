@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vmkv.kernels import cpu_argmax, cpu_attention, cpu_decoder_layer
+from vmkv.cpu_info import bf16_hardware
+from vmkv.kernels import cpu_argmax, cpu_attention, cpu_bf16, cpu_decoder_layer
 
 #: each CPU kernel by the name the reports use; each module has ``available()`` and ``FALLBACK``
+#: (the bfloat16 layers only where the CPU has bfloat16 hardware: nowhere else do they build)
 KERNELS: dict[str, ModuleType] = {"attention": cpu_attention, "argmax": cpu_argmax,
-                                  "decoder_layers": cpu_decoder_layer}
+                                  "decoder_layers": cpu_decoder_layer,
+                                  **({"bf16_layers": cpu_bf16} if bf16_hardware() else {})}
 COMPILED = "compiled"
 
 

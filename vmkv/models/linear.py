@@ -141,8 +141,8 @@ class PackedLinear(nn.Module):
         dtype = linear.weight.dtype
         backend = resolve_backend(backend, dtype)  # "auto" picks; one this torch lacks: refused
         if backend not in PACKED_BACKENDS.get(dtype, ()):
-            raise ValueError(f"PackedLinear backend for {dtype} must be one of "
-                             f"{PACKED_BACKENDS.get(dtype, ())}, got {backend!r}")
+            raise ValueError(f"PackedLinear backend must be one of "
+                             f"{PACKED_BACKENDS.get(dtype, ())} for {dtype}, got {backend!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.backend = backend
         self.out_dtype = out_dtype or dtype
@@ -239,6 +239,8 @@ def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) 
     :class:`PackedLinear`; returns how many were swapped (0 for other devices/dtypes or where
     ``backend`` resolves to "torch"). The one named ``lm_head`` gives float32 logits when its
     backend can (brgemm)."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
