@@ -82,8 +82,8 @@ class Engine(NamedTuple):
 
 def parse_engine(text: str) -> Engine:
     """``"vllm"`` -> vllm-fp32, ``"paged-bf16"`` -> paged-bf16; ValueError on anything else."""
-    family, _, precision = text.strip().partition("-")
-    precision = precision or "fp32"
+    family, dash, precision = text.strip().partition("-")
+    precision = precision if dash else "fp32"
     if family not in FAMILIES or precision not in PRECISIONS:
         raise ValueError(f"engine must be FAMILY[-PRECISION] with FAMILY in {FAMILIES} and "
                          f"PRECISION in {PRECISIONS}, got {text!r}")
