@@ -87,14 +87,21 @@ def test_a_failing_process_and_a_missing_result_are_reported(tmp_path: Path) -> 
     assert compare.peer_result(log) == {"generate_s": 2.0}
 
 
-def test_peers_do_not_inherit_vmkv_openmp_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_env_preloads_the_venvs_openmp_without_vmkvs_tuning(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
-    setup = compare.Setup(model="m", vllm_python="/nonexistent/venv/bin/python", threads=2,
-                          kv_cache_gib=3)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    python = tmp_path / "venv" / "bin" / "python"
+    python.symlink_to(sys.executable)  # as in a venv: a link to the base interpreter
+    setup = compare.Setup(model="m", vllm_python=str(python), threads=2, kv_cache_gib=3)
     env = compare.peer_env(compare.parse_engine("vllm-bf16"), setup)
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["LD_PRELOAD"].endswith(str(tmp_path / "venv" / "lib" / "libiomp5.so"))
+    assert "OMP_WAIT_POLICY" not in compare.peer_env(compare.parse_engine("openvino"), setup)
     with pytest.raises(ValueError, match="--openvino-python"):
         setup.check(compare.parse_engines("openvino"))
 

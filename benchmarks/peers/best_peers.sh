@@ -19,6 +19,7 @@ OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-best-peers}
 REPEATS=${REPEATS:-3}
 source benchmarks/peers/setup.sh
 ensure_vllm_venv
+ensure_tcmalloc
 ensure_openvino_venv
 MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
 OPENVINO_MODEL=$(ensure_openvino_model "$MODEL_DIR")

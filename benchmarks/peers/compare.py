@@ -125,6 +125,9 @@ class Setup:
             raise ValueError("vllm engines need --vllm-python")
         if "openvino" in families and not (self.openvino_python and self.openvino_model):
             raise ValueError("openvino engines need --openvino-python and --openvino-model")
+        if "vllm" in families and len(vllm_preload(self.vllm_python or "")) < 2:
+            print("warning: vLLM runs without tcmalloc or Intel OpenMP preloaded (found: "
+                  f"{vllm_preload(self.vllm_python or '') or 'neither'})", flush=True)
         if self.threads <= 0 or self.kv_cache_gib <= 0 or self.warmup < 0:
             raise ValueError("threads and kv_cache_gib must be positive, warmup >= 0")
 
@@ -139,12 +142,19 @@ def peer_env(engine: Engine, setup: Setup) -> dict[str, str]:
     when present, the KV budget)."""
     env = {k: v for k, v in os.environ.items() if k not in VMKV_OPENMP_VARS}
     if engine.family == "vllm":
-        venv = Path(setup.vllm_python or "").resolve().parents[1]
-        preload = [p for p in (*TCMALLOC, str(venv / "lib" / "libiomp5.so")) if Path(p).exists()]
-        env.update(LD_PRELOAD=":".join(preload),
+        env.update(LD_PRELOAD=":".join(vllm_preload(setup.vllm_python or "")),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{setup.threads - 1}",
                    VLLM_CPU_KVCACHE_SPACE=str(setup.kv_cache_gib))
     return env
+
+
+def vllm_preload(vllm_python: str) -> list[str]:
+    """tcmalloc (when installed) and the venv's Intel OpenMP, as vLLM's CPU guide preloads."""
+    venv = Path(vllm_python).absolute().parents[1]  # not resolve(): the venv's python links
+    # to the base interpreter, outside the venv
+    tcmalloc = [p for p in TCMALLOC if Path(p).exists()][:1]
+    iomp = [str(p) for p in [venv / "lib" / "libiomp5.so"] if p.exists()]
+    return tcmalloc + iomp
 
 
 def recorded_env(env: dict[str, str]) -> dict[str, str]:
@@ -231,6 +241,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
         "sample_overhead_s": run["sample_overhead_s"],
         "settings": {"dtype": PRECISION_FLAGS["vmkv"][engine.precision],
                      "torch_threads": environment.get("torch_threads"),
+                     "omp_wait_policy": environment.get("omp_wait_policy"),
                      "kv_cache_memory": f"{setup.kv_cache_gib}G", "args": list(setup.vmkv_args)},
         "versions": {k: environment.get(k) for k in ("commit", "torch", "python")},
         "process_s": process_s,

