@@ -225,7 +225,10 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)
-    result = json.loads(out.read_text())
+    try:
+        result = json.loads(out.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineFailed(f"no result JSON from {log}: {exc}") from None
     run = result["runs"][0]
     environment = result.get("environment", {})
     return {
