@@ -129,7 +129,23 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
 template <typename T>
 inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* const* krow,
                         int64_t n, float* p) {
-#if defined(VMKV_VECTOR)
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {  // one FMA chain per (row, token), 16 tokens' sums at once
+    vfloat part[kTile];
+    for (int64_t r = 0; r < group; ++r) {
+      const float* qr = qs + r * dim;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* kr = krow[j];
+        vfloat s = vmul(vload(qr), vload(kr));
+        for (int64_t d = kLanes; d < dim; d += kLanes) s = vfmadd(vload(qr + d), vload(kr + d), s);
+        part[j] = s;
+      }
+      for (int64_t j = n; j < kTile; ++j) part[j] = vzero();
+      for (int64_t j0 = 0; j0 < n; j0 += kLanes) vstore(p + r * kTile + j0, vsum16(part + j0));
+    }
+    return;
+  }
+#elif defined(VMKV_VECTOR)
   if (dim % kLanes == 0) {  // one FMA chain per (row, token), one reduction at the end
     for (int64_t j = 0; j < n; ++j) {
       const T* kr = krow[j];
@@ -215,25 +231,6 @@ constexpr int64_t kDpTile = 16;      // tokens per score vector
 constexpr int64_t kDpMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kDpMaxVecs = 8;    // head_dim / 32 (head_dim <= 256)
 
-// Sixteen vectors -> one vector whose lane j is the sum of v[j]'s lanes.
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8], b[4], d[2];
-  for (int i = 0; i < 8; ++i) {  // lane L of a[i]: v[2i], v[2i+1] halves of their lane L
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // lane L of b[i]: v[4i .. 4i+3]'s lane-L sums
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 2; ++i) {  // pairs of lanes folded
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
-                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
-}
-
 inline __m512i load_row_part(const bf16* p) { return _mm512_loadu_si512(p); }
 
 // The task's KV heads [kvh0, kvh1) of request b over its len tokens: q (bf16, exact) against K
@@ -286,7 +283,7 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
           part[j] = s;
         }
         for (int64_t j = n; j < kDpTile; ++j) part[j] = _mm512_setzero_ps();
-        const __m512 scores = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+        const __m512 scores = _mm512_mul_ps(vsum16(part), _mm512_set1_ps(scale));
         const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(live, scores));
         const float rescale = std::exp(m[r] - m_new);  // 0 on the first tile
         const __m512 p =

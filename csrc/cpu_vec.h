@@ -152,6 +152,25 @@ inline void vstore(bf16* p, vfloat x) {
 #endif
 
 #if defined(__AVX512F__)
+// Sixteen vectors -> one vector whose lane j is the sum of v[j]'s lanes.
+inline vfloat vsum16(const vfloat* v) {
+  vfloat a[8], b[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // lane L of a[i]: v[2i], v[2i+1] halves of their lane L
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of b[i]: v[4i .. 4i+3]'s lane-L sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes folded
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
 inline vfloat vmin(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
 inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline vfloat vround_bf16(vfloat x) {  // x rounded to bfloat16 precision, as float_to_bf16

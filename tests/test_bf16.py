@@ -22,8 +22,9 @@ from model_helpers import make_kv, prefill_logits, save_random_model
 from skip_policy import require_bf16_kernels, require_default_model
 
 from vmkv import LLM, SamplingParams
-from vmkv.config import EngineConfig
+from vmkv.config import CacheConfig, EngineConfig
 from vmkv.kernels import cpu_bf16
+from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model
 from vmkv.models.default_model import resolve_model
 from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
@@ -200,3 +201,28 @@ def test_virtual_and_paged_give_the_same_bf16_tokens(default_model: Path) -> Non
             llm.engine.close()
     assert outs["virtual"] == outs["paged"]
     assert all(len(t) == 48 for t in outs["virtual"])
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_a_bf16_cache_holds_twice_the_tokens(kv_mode: str) -> None:
+    """Half the bytes per token: the same budget holds twice the tokens (twice per page or
+    block), and the accounting counts bf16 bytes."""
+    spec32, spec16 = KVSpec(30, 3, 64, torch.float32), KVSpec(30, 3, 64, BF16)
+    assert spec16.bytes_per_token * 2 == spec32.bytes_per_token
+    caches = {}
+    for spec in (spec32, spec16):
+        config = CacheConfig(kv_mode=kv_mode, kv_cache_memory=64 << 20)
+        caches[spec.dtype] = create_kv_cache(config, spec, num_slots=4, max_model_len=1024)
+    try:
+        # (virtual mode counts whole pages of the budget: one token of rounding either way)
+        assert abs(caches[BF16].capacity_tokens - 2 * caches[torch.float32].capacity_tokens) <= 1
+        for cache in caches.values():
+            assert cache.allocate("r", 100)
+        used32, used16 = (caches[d].usage.token_bytes for d in (torch.float32, BF16))
+        assert used32 == 100 * spec32.bytes_per_token and used16 == used32 // 2
+        for cache in caches.values():
+            cache.free("r")
+            cache.check()
+    finally:
+        for cache in caches.values():
+            cache.close()

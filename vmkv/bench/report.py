@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vmkv import envs
+from vmkv.cpu_info import bf16_hardware, cpu_features, cpu_model
 
 
 def environment() -> dict[str, Any]:
@@ -23,6 +24,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_features(),
+        "bf16_hardware": list(bf16_hardware()),
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": envs.omp_wait_policy(),
         "torch_threads": torch.get_num_threads(),

@@ -204,7 +204,8 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
     up, then run the workload ``repeats`` times per mode, alternating modes. With
     ``structured``, every engine also runs it constrained (as ``<mode>+json``), alternated.
 
-    Returns ``{"startup", "runs", "summary", "ratios"?, "ratio_median"?}``; each run carries
+    Returns ``{"startup", "dtype", "runs", "summary", "ratios"?, "ratio_median"?}`` (``dtype``:
+    each mode's dtype and why: asked for, or what ``auto`` picked on this CPU); each run carries
     ``mode`` and ``repeat``; ``ratios`` (virtual/paged output tokens/s per repetition) only
     when both modes ran.
     """
@@ -237,7 +238,9 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
     finally:
         for engine in engines.values():
             engine.close()
-    return {"startup": startup, "runs": runs, **summarise_runs(runs)}
+    dtypes = {mode: dict(zip(("dtype", "why"), c.dtype_choice, strict=True))
+              for mode, c in configs.items()}
+    return {"startup": startup, "dtype": dtypes, "runs": runs, **summarise_runs(runs)}
 
 
 SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
