@@ -28,6 +28,7 @@ constrained/plain: the cost of structured outputs at the same lengths.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Sequence
@@ -121,6 +122,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     ops_before = _op_totals(engine)
     ids = [f"{tag}-{i}" for i in range(len(requests))]
     bar = progress_bar(progress, tag, total=len(requests))
+    faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start, cpu_start = time.monotonic(), time.process_time()
     for rid, r in zip(ids, requests, strict=True):
         engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len, structured))
@@ -137,6 +139,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
         trace.sample(engine, t - start - overhead)
         overhead += time.monotonic() - t
     wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
+    minor_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start
     bar.close()
     elapsed = wall - overhead
     result = summarise_outputs(requests, [outputs[rid] for rid in ids], elapsed, start)
@@ -145,6 +148,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
     result.update(_map_numbers(ops_before, _op_totals(engine)))
     result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead, cpu_s=cpu,
+                  minor_faults=minor_faults,
                   output_tokens_per_cpu_s=result["output_tokens"] / cpu if cpu else None,
                   trace=trace.downsampled())
     return result
@@ -294,7 +298,8 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         "out tok/s": r["output_tokens_per_s"], "total tok/s": r["total_tokens_per_s"],
         "peak KV MiB": scaled(r["peak_kv_bytes_in_use"], 2**-20),
         "useful %": scaled(r["kv_useful_fraction"], 100), "preempt": r["preemptions"],
-        "map ms": scaled(r["map_stall_s"], 1e3), "time s": r["elapsed_s"],
+        "map ms": scaled(r["map_stall_s"], 1e3), "minor faults": scaled(r["minor_faults"], 1),
+        "time s": r["elapsed_s"],
     } for r in result["runs"]]
     for i, ratio in enumerate(result.get("ratios", [])):
         rows.append({"mode": "virtual/paged", "rep": i, "out tok/s": ratio})
@@ -318,4 +323,4 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 COLUMNS = ("mode", "rep", "req/s", "out tok/s", "total tok/s", "peak KV MiB", "useful %",
-           "preempt", "map ms", "time s")
+           "preempt", "map ms", "minor faults", "time s")

@@ -68,7 +68,8 @@ async def run_once(engine: DataParallelEngine, requests: Sequence[BenchRequest],
         preemptions=after.preemptions - before.preemptions,
         recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
         peak_kv_bytes_in_use=None, peak_kv_bytes_held=None, mean_kv_bytes_in_use=None,
-        kv_useful_fraction=None, map_stall_s=None, wall_s=elapsed, router_cpu_s=cpu,
+        kv_useful_fraction=None, map_stall_s=None, minor_faults=None, wall_s=elapsed,
+        router_cpu_s=cpu,
         trace={"t": [], "bytes_in_use": [], "token_bytes": []})
     return result
 
