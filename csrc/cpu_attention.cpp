@@ -28,6 +28,7 @@
 #include <omp.h>
 #endif
 
+#include "cpu_rows.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -35,60 +36,12 @@ namespace {
 using namespace vmkv;
 
 
-template <bool PAGED>
-inline int64_t row_of(int64_t b, int64_t t, const int64_t* starts, const int32_t* table,
-                      int64_t table_stride, int64_t block_size) {
-  if constexpr (PAGED) {
-    return static_cast<int64_t>(table[b * table_stride + t / block_size]) * block_size +
-           t % block_size;
-  } else {
-    return starts[b] + t;
-  }
-}
-
 constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
 
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
-
-// exp(x) for x <= 0 that vectorises (glibc's expf does not, outside -ffast-math):
-// 2^(x log2 e) = 2^i * 2^f with f in [0, 1) from a degree-6 polynomial fitted in relative
-// error; within 1.1e-7 of exp (float32 rounding: 6e-8), 0 below x = -87.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.4426950408889634f;
-  const float i = std::floor(t);
-  const float f = t - i;
-  float p = 2.1683431e-4f;
-  p = p * f + 1.2437946e-3f;
-  p = p * f + 9.6799853e-3f;
-  p = p * f + 5.5482150e-2f;
-  p = p * f + 2.4023031e-1f;
-  p = p * f + 6.9314691e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
-  float two_i;
-  std::memcpy(&two_i, &bits, sizeof(two_i));
-  return p * two_i;
-}
-
-#if defined(VMKV_VECTOR)
-// exp_nonpositive on kLanes lanes (same polynomial).
-inline vfloat exp_nonpositive_v(vfloat x) {
-  const vfloat t = vmul(vmax(x, vset1(-87.0f)), vset1(1.4426950408889634f));
-  const vfloat i = vfloor(t);
-  const vfloat f = vsub(t, i);
-  vfloat p = vset1(2.1683431e-4f);
-  p = vfmadd(p, f, vset1(1.2437946e-3f));
-  p = vfmadd(p, f, vset1(9.6799853e-3f));
-  p = vfmadd(p, f, vset1(5.5482150e-2f));
-  p = vfmadd(p, f, vset1(2.4023031e-1f));
-  p = vfmadd(p, f, vset1(6.9314691e-1f));
-  p = vfmadd(p, f, vset1(1.0f));
-  return vmul(p, vpow2(i));
-}
-#endif
 
 // One row's online-softmax step over a tile of scores pr[0 .. kTile) of which the first
 // `visible` count: pr becomes the probabilities (0 past visible), the running max m and sum l

@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 import torch
-from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel
+from skip_policy import NEEDS_X86, X86_64, require, require_bf16_kernels, require_cpu_kernel
 
 from vmkv.attention.sdpa import attend_one
-from vmkv.kernels import cpu_attention
+from vmkv.kernels import amx_prefill, cpu_attention
 from vmkv.kernels.build import load_failure
 
 
@@ -137,6 +137,43 @@ def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads
     assert torch.equal(some[rows], got[rows]) and (some[: rows.start] == 7.0).all()
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 64), (4, 2, 128)])
+def test_amx_prefill_agrees_with_sdpa_in_both_addressings(heads: int, kv_heads: int,
+                                                          dim: int) -> None:
+    """The bf16 AMX prefill twins: fresh prompts, chunks after a context, tile (64 keys) and
+    block (32 queries) edges, and a chunk past the 512-key score chunk; one kernel body per
+    mode, so the block table gives the same bits, also from a shuffled pool."""
+    require_bf16_kernels()
+    torch.manual_seed(heads + dim)
+    slot, bs = 1152, 16
+    chunks = [(0, 37), (10, 16), (0, 64), (63, 33), (5, 2), (0, 128), (300, 700)]
+    cache = torch.randn(len(chunks) * slot, 2, 2, kv_heads, dim).to(torch.bfloat16)
+    k, v = cache[:, 1, 0], cache[:, 1, 1]  # [rows, kv_heads, dim], strided
+    starts = torch.arange(len(chunks)) * slot
+    q_lens = torch.tensor([n for _, n in chunks])
+    q_start = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)[:-1]])
+    seq_lens = torch.tensor([c + n for c, n in chunks])
+    q = torch.randn(int(q_lens.sum()), heads, dim).to(torch.bfloat16)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    want = torch.cat([attend_one(qf[s : s + n], kf[r : r + c + n], vf[r : r + c + n], c, 0.125)
+                      for (c, n), s, r in zip(chunks, q_start.tolist(), starts.tolist(),
+                                              strict=True)])
+    got = torch.full((q.shape[0], heads * dim), float("nan"), dtype=torch.bfloat16)
+    amx_prefill.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, got, starts=starts)
+    close_to(got, want, torch.bfloat16)
+    table = (starts // bs)[:, None] + torch.arange(slot // bs)
+    perm = torch.randperm(table.numel())
+    pool_k = torch.full((table.numel() * bs, kv_heads, dim), float("nan"), dtype=torch.bfloat16)
+    pool_v = pool_k.clone()
+    for old, new in enumerate(perm.tolist()):
+        pool_k[new * bs : (new + 1) * bs] = k[old * bs : (old + 1) * bs]
+        pool_v[new * bs : (new + 1) * bs] = v[old * bs : (old + 1) * bs]
+    paged = torch.full_like(got, float("nan"))
+    amx_prefill.prefill(q, pool_k, pool_v, q_start, q_lens, seq_lens, 0.125, paged,
+                        block_table=perm[table], block_size=bs)
+    assert torch.equal(paged, got)  # the same rows elsewhere, bit for bit; no NaN read
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("batch", [3, 64])  # a task per (request, head) / per request
@@ -188,37 +225,42 @@ def test_bad_arguments_are_value_errors() -> None:
 _CHILD = textwrap.dedent(
     """
     import sys, torch
-    from vmkv.kernels import cpu_attention
+    from vmkv.kernels import amx_prefill, cpu_attention
     from vmkv.kv import KVSpec, VirtualKVCache
     from vmkv.memory import PagePool
     from vmkv.memory.host import HostMemoryBackend
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64)  # 32 tokens per 64 KiB page
+    kind = sys.argv[2]
+    dtype = torch.bfloat16 if kind == "amx-prefill" else torch.float32
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=dtype)
+    n = 65536 // spec.bytes_per_token  # tokens per 64 KiB page: 32 float32, 64 bfloat16
     kv = VirtualKVCache(spec, pool=PagePool(HostMemoryBackend(65536, 8), 8), num_slots=2,
                         max_model_len=256)
-    kv.allocate("a", 32)  # exactly one page mapped in each slot
-    kv.allocate("b", 32)
+    kv.allocate("a", n)  # exactly one page mapped in each slot
+    kv.allocate("b", n)
     k, v = kv.layer_kv(1)
     starts = torch.tensor([kv.slot("a"), kv.slot("b")]) * kv.layout.slot_tokens
     for rid in "ab":
-        k[kv.slot(rid), :32] = 1.0
-        v[kv.slot(rid), :32] = 2.0
-    lens = torch.tensor([32, 32 + int(sys.argv[1])], dtype=torch.int32)
-    if sys.argv[2] == "decode":
+        k[kv.slot(rid), :n] = 1.0
+        v[kv.slot(rid), :n] = 2.0
+    lens = torch.tensor([n, n + int(sys.argv[1])], dtype=torch.int32)
+    if kind == "decode":
         out = cpu_attention.decode(torch.ones(2, 4, 64), k.flatten(0, 1), v.flatten(0, 1),
                                    lens, 0.125, starts=starts)
     else:  # two chunks of 20 new tokens: the last query of b sees its last row
-        out = torch.empty(40, 4 * 64)
-        cpu_attention.prefill(torch.ones(40, 4, 64), k.flatten(0, 1), v.flatten(0, 1),
-                              torch.tensor([0, 20]), torch.tensor([20, 20]), lens, 0.125, out,
-                              starts=starts)
+        prefill = amx_prefill.prefill if kind == "amx-prefill" else cpu_attention.prefill
+        out = torch.empty(40, 4 * 64, dtype=dtype)
+        prefill(torch.ones(40, 4, 64, dtype=dtype), k.flatten(0, 1), v.flatten(0, 1),
+                torch.tensor([0, 20]), torch.tensor([20, 20]), lens, 0.125, out, starts=starts)
     print(float(out.mean()), flush=True)
     """
 )
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "amx-prefill"])
 @pytest.mark.parametrize(("extra", "returncode"), [(0, 0), (1, -11)])
 def test_the_kernel_reads_only_mapped_tokens(extra: int, returncode: int, kind: str) -> None:
+    if kind == "amx-prefill":
+        require_bf16_kernels()
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(extra), kind], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == returncode, proc.stderr

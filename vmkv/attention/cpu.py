@@ -1,12 +1,14 @@
 """Attention on CPU, both KV modes: K/V read in place through the step's addressing.
 
-A step's decodes go to one batched kernel call per layer, and its short prefill chunks to
-another (:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged
-mode). Chunks of :data:`SDPA_MIN_QUERY` tokens or more run torch's SDPA per request (its flash
-kernel, on AMX tiles in bfloat16: 1.5-4x the batched kernel there) over a strided view of the
-slot (virtual, the cache read in place) or a block-table gather (paged); so does every request
-without the kernels (no compiler, or neither float32 nor bfloat16). Nothing past a request's
-length is read, so pages beyond it may stay unmapped.
+A step's decodes go to one batched kernel call per layer, and its prefill chunks to another
+(:mod:`vmkv.attention.cpu_batches`: slot rows in virtual mode, block-table rows in paged mode).
+In bfloat16 on CPUs with AMX every prefill chunk goes to the AMX flash kernel
+(:mod:`vmkv.kernels.amx_prefill`). Otherwise only chunks under :data:`SDPA_MIN_QUERY` tokens
+take the batched kernel, and longer ones run torch's SDPA per request (its flash kernel:
+1.5-2.6x the batched float32 kernel on one request) over a strided view of the slot (virtual,
+the cache read in place) or a block-table gather (paged); so does every request without the
+kernels (no compiler, or neither float32 nor bfloat16). Nothing past a request's length is
+read, so pages beyond it may stay unmapped.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class CpuAttentionBackend(AttentionBackend):
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
         self.batched_decode = self.batched_prefill = cpu_batches.use_kernels(kv.spec.dtype)
+        #: the longest chunk the batched prefill kernel takes (longer ones: SDPA)
+        self.max_kernel_query = (1 << 62 if cpu_batches.use_amx_prefill(kv.spec.dtype, kv.spec.head_dim)
+                                 else SDPA_MIN_QUERY - 1)
 
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> CpuStepMetadata:
@@ -59,12 +64,12 @@ class CpuAttentionBackend(AttentionBackend):
         decode = (cpu_batches.decode_batch(addr, context_lens, query_lens)
                   if self.batched_decode else None)
         prefill = (cpu_batches.prefill_batch(addr, context_lens, query_lens,
-                                             SDPA_MIN_QUERY - 1)
+                                             self.max_kernel_query)
                    if self.batched_prefill else None)
         seq_rows: list[slice | torch.Tensor | None] = []
         for b, (c, n) in enumerate(zip(context_lens, query_lens, strict=True)):
             if (decode is not None and n == 1) or (prefill is not None
-                                                    and 1 < n < SDPA_MIN_QUERY):
+                                                    and 1 < n <= self.max_kernel_query):
                 seq_rows.append(None)  # a kernel reads it in place
                 continue
             rows = addr.sequence_rows(b, c + n)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vmkv.kernels import cpu_attention
+from vmkv.kernels import amx_prefill, cpu_attention
 from vmkv.kv.addressing import Addressing
 
 
@@ -58,6 +58,12 @@ def use_kernels(dtype: torch.dtype) -> bool:
     """Whether the batched kernels serve this cache (float32 or bfloat16, and the kernel
     library built)."""
     return dtype in cpu_attention.DTYPE_CODES and cpu_attention.available()
+
+
+def use_amx_prefill(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill chunks of this cache run on AMX tiles (bfloat16, a head_dim of whole
+    32-element rows, the kernel built)."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_prefill.available()
 
 
 def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
@@ -113,6 +119,7 @@ def run_prefill(batch: PrefillBatch, q: torch.Tensor, k_flat: torch.Tensor,
                 v_flat: torch.Tensor, out: torch.Tensor, scale: float) -> None:
     """Attend every chunk of ``batch``, writing its rows of ``out [T, heads*D]`` in place."""
     r = batch.rows
-    cpu_attention.prefill(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens, scale,
-                          out, starts=r.starts, block_table=r.block_table,
-                          block_size=r.block_size)
+    amx = use_amx_prefill(q.dtype, q.shape[-1])
+    kernel = amx_prefill.prefill if amx else cpu_attention.prefill
+    kernel(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens, scale, out,
+           starts=r.starts, block_table=r.block_table, block_size=r.block_size)

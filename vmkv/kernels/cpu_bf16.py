@@ -65,7 +65,7 @@ class ShapeArgs(ctypes.Structure):
 
 
 @functools.cache
-def _ukernel() -> tuple[int, int] | None:
+def ukernel() -> tuple[int, int] | None:
     """Addresses of torch's brgemm (BFloat16) and brgemm_release, or None where it has none."""
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
@@ -94,7 +94,7 @@ def unavailable_reason() -> str | None:
     """Why the bf16 kernels cannot run here (None when they can; builds the library)."""
     if not bf16_hardware():
         return "this CPU has no bfloat16 hardware (AMX-BF16 or AVX512-BF16)"
-    if not torch.backends.mkldnn.is_available() or _ukernel() is None:
+    if not torch.backends.mkldnn.is_available() or ukernel() is None:
         return "this torch does not export oneDNN's brgemm ukernel (at::native::cpublas)"
     if _lib() is None:
         return "the bf16 kernel library did not build (see the log)"
@@ -118,10 +118,10 @@ def library() -> ctypes.CDLL:
 
 def gemm_args(ns: torch.Tensor | None = None) -> GemmArgs:
     """The ukernel's entry points, with profiling counters ``ns`` (int64 [2]) when given."""
-    ukernel = _ukernel()
-    if ukernel is None:
+    addresses = ukernel()
+    if addresses is None:
         raise RuntimeError("this torch does not export oneDNN's brgemm ukernel")
-    return GemmArgs(brgemm=ukernel[0], release=ukernel[1],
+    return GemmArgs(brgemm=addresses[0], release=addresses[1],
                     ns=ns.data_ptr() if ns is not None else None)
 
 
