@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vmkv.chat_template import chat_token_ids
 from vmkv.config import EngineConfig, check_names
 from vmkv.engine.outputs import RequestOutput
 from vmkv.process_tuning import tune_process
-from vmkv.sampling_params import SamplingParams
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
@@ -77,6 +78,8 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]  # one whole output per request, at its end
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:

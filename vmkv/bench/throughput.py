@@ -38,7 +38,7 @@ from vmkv.bench.common import progress_bar
 from vmkv.bench.workloads import BenchRequest
 from vmkv.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.sampling_params import SamplingParams
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 from vmkv.structured import StructuredOutputsParams
 
 MAX_TRACE_POINTS = 400
@@ -61,9 +61,10 @@ BENCH_STRUCTURE = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitesp
 def params_for(output_len: int, structured: StructuredOutputsParams | None = None
                ) -> SamplingParams:
     """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine),
-    optionally constrained by ``structured``."""
+    optionally constrained by ``structured``; one output per request, at its end."""
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                          structured_outputs=structured)
+                          structured_outputs=structured,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 from vmkv.engine.front import EngineFront
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.engine.outputs import RequestOutput
-from vmkv.sampling_params import SamplingParams
+from vmkv.engine.outputs import OutputAccumulator, RequestOutput
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vmkv")
 
@@ -57,35 +57,44 @@ def admit(engine: LLMEngine, request_id: str, prompt: str | list[int], params: S
 
 
 class RequestStream:
-    """The outputs of one submitted request, as an async iterator of cumulative outputs.
+    """The outputs of one submitted request, as an async iterator (of deltas, or of whole
+    outputs: as the request's ``output_kind`` says).
 
-    ``abort()`` (also safe after the end) stops the request in the engine and frees its KV.
-    Outputs arrive from another thread through :meth:`put`.
+    Outputs the reader has not taken yet are merged into one as they arrive (deltas are added
+    up, a whole output replaces the one before): a reader that falls behind, or stops reading,
+    costs one pending output, never a queue of them. ``abort()`` (also safe after the end)
+    stops the request in the engine and frees its KV. Outputs arrive from another thread
+    through :meth:`put`.
     """
 
-    def __init__(self, engine: _Inbox, request_id: str, loop: asyncio.AbstractEventLoop
-                 ) -> None:
+    def __init__(self, engine: _Inbox, request_id: str, loop: asyncio.AbstractEventLoop,
+                 params: SamplingParams) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._deltas = params.output_kind is RequestOutputKind.DELTA
+        self._unread = OutputAccumulator()  # deltas not taken yet, added up
+        self._latest: RequestOutput | None = None  # a whole output not taken yet
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self.queue.get()
-            # outputs are cumulative: when several are queued, only the newest matters
-            while (isinstance(item, RequestOutput) and not item.finished
-                   and not self.queue.empty()):
-                item = self.queue.get_nowait()
-            if isinstance(item, BaseException):
+            if not self._unread and self._latest is None and self._error is None:
+                await self._ready.wait()
+                self._ready.clear()
+            if self._unread or self._latest is not None:
+                item = self._unread.take() if self._unread else self._latest
+                self._latest = None
+                self.finished = item.finished
+                yield item
+            elif self._error is not None:
                 self.finished = True
-                raise item
-            self.finished = item.finished
-            yield item
+                raise self._error
 
     def abort(self) -> None:
         """Abort the request unless it already finished (no-op then)."""
@@ -96,7 +105,16 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver an output or the error that ends the stream (from any thread)."""
         with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody listens
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._receive, item)
+
+    def _receive(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._deltas:
+            self._unread.add(item)
+        else:
+            self._latest = item
+        self._ready.set()
 
 
 class AsyncEngine:
@@ -122,13 +140,14 @@ class AsyncEngine:
         Raises ValueError (bad request, nothing queued), EngineOverloadedError (``max_waiting``
         sequences already wait to be scheduled; nothing queued) or EngineDeadError.
         """
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), params)
         await self._call("add", (request_id, prompt, params, cache_salt, stream, max_waiting))
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit and yield cumulative outputs until finished; leaving early aborts."""
+        """Submit and yield outputs (as ``params.output_kind`` says) until finished; leaving
+        early aborts."""
         stream = await self.add(request_id, prompt, params)
         try:
             async for out in stream:

@@ -2,7 +2,7 @@
 
     add_request ──> Scheduler.waiting ──schedule()──> ModelRunner.execute ──> Sampler
                                                          │ fork n>1 after the prompt
-    RequestOutput <── stop checks, detokenise <── append token ─┘
+    RequestOutput <── OutputProcessor: append token, detokenise, stop, delta ─┘
 
 Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its own thread.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -19,22 +19,20 @@ from vmkv import envs
 from vmkv.config import EngineConfig
 from vmkv.distributed.executor import TensorParallelExecutor
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
-from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.front import stop_token_ids
 from vmkv.engine.model_runner import ModelRunner, PromptHidden
-from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.output_processor import OutputProcessor
+from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.engine.shard import build_shard
-from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
-from vmkv.sampling import Sampler, SamplingState
+from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache
-from vmkv.structured.matcher import GrammarState
 
 logger = logging.getLogger("vmkv")
 
@@ -106,6 +104,8 @@ class LLMEngine:
         # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
         self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
                                              self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                       config.device)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.startup_seconds = time.monotonic() - started
@@ -162,11 +162,9 @@ class LLMEngine:
         if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
             grammar = self.grammars.new_state(params.structured_outputs)
         req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        seq = self._new_sequence(req, 0, list(ids), grammar)
+        seq = self.outputs.new_request(req, grammar)
         seq.pending_forks = params.n - 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -201,20 +199,6 @@ class LLMEngine:
                 f"{params.max_tokens} in max_tokens)")
         return params.max_tokens
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int],
-                      grammar: GrammarState | None = None) -> Sequence:
-        params = req.params
-        if index and params.seed is not None:  # each sample its own reproducible stream
-            params = replace(params, seed=(params.seed + index) % 2**63)
-        state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              grammar=grammar, device=self.config.device)
-        seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
-                       len(req.prompt_token_ids), state)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
-                                                 req.params.skip_special_tokens)
-        req.seqs.append(seq)
-        return seq
-
     def abort_request(self, request_id: str, stop_reason: str | None = None
                       ) -> RequestOutput | None:
         """Stop a request and free its KV now; None if it is unknown or already finished.
@@ -224,7 +208,7 @@ class LLMEngine:
         if req is None:
             return None
         self._finish_all(req, "abort", stop_reason)
-        return self._finish_request(req)
+        return self._output(req)
 
     def _finish_all(self, req: Request, reason: str, stop_reason: str | None = None) -> None:
         """Finish every unfinished sequence of ``req`` with ``reason``, freeing its KV."""
@@ -283,15 +267,16 @@ class LLMEngine:
                 self._sample(logits, ready, touched)
             if self.mapper is not None:
                 self.mapper.wait()  # idle between steps (abort/add never race with it)
-        return [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values()]
+        return [o for o in outputs if o is not None]
 
     def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
         """Score the prompt tokens this step's prefill chunks predict (in the same forward)."""
         for seq, first, hidden in prompt_hidden:
             req = seq.request
             targets = seq.token_ids[first + 1 : first + 1 + len(hidden)]
-            req.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden,
-                                                       targets, req.params.prompt_logprobs))
+            self.outputs.prompt_logprobs(req, prompt_logprobs(
+                self.model.compute_logits, hidden, targets, req.params.prompt_logprobs))
 
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
@@ -328,46 +313,27 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After the prompt, make the n-1 other samples share the parent's KV; VmmError when
         the memory is refused (the request must fail)."""
-        req, children = parent.request, []
-        grammar = parent.sampling_state.grammar
-        for index in range(1, parent.pending_forks + 1):
-            child = self._new_sequence(req, index, list(parent.token_ids),
-                                       grammar.fork() if grammar is not None else None)
-            try:
-                forked = self.kv.fork(parent.seq_id, child.seq_id)
+        children = self.outputs.fork(parent)
+        parent.pending_forks = 0
+        for i, child in enumerate(children):
+            try:  # refused: no slot (reserved at admission) or the mapping budget is spent
+                if not self.kv.fork(parent.seq_id, child.seq_id):
+                    raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget "
+                                   "left")
             except VmmError:
-                req.seqs.remove(child)
+                for unforked in children[i:]:
+                    parent.request.seqs.remove(unforked)
                 raise
-            if not forked:  # no slot (reserved at admission) or the mapping budget is spent
-                req.seqs.remove(child)
-                raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget left")
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add(child)
-            children.append(child)
-        parent.pending_forks = 0
         return children
 
     def _append(self, seq: Sequence, token: int, logprob: float | None,
                 top: list[tuple[int, float]] | None) -> None:
-        seq.token_ids.append(token)
-        seq.sampling_state.output_token_ids.append(token)
         self.counters.generation_tokens += 1
-        if seq.request.params.logprobs is not None:
-            entry = {token: float(logprob)} if logprob is not None else {}
-            entry.update({t: float(v) for t, v in (top or [])})
-            seq.logprobs.append(entry)
-        grammar = seq.sampling_state.grammar
-        if grammar is not None and not grammar.accept(token):  # the mask makes this unreachable
-            logger.error("%s: the grammar rejected token %d; aborting", seq.seq_id, token)
-            self._finish(seq, "abort")
-            return
-        start = len(seq.output_text)
-        seq.output_text += seq.detokenizer.step(seq.token_ids)
-        check_stop(seq, start, self.eos_token_ids, self.max_model_len)
-        if seq.finish_reason is None and grammar is not None and grammar.is_terminated:
-            seq.finish_reason = "stop"  # the grammar took EOS although ignore_eos was set
-        if seq.finish_reason is not None:
-            self._finish(seq, seq.finish_reason)
+        reason = self.outputs.append(seq, token, logprob, top)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -375,34 +341,13 @@ class LLMEngine:
         self.counters.finished[reason] += 1
 
     # -- outputs ------------------------------------------------------------------------------
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | None:
+        """``req``'s output after this step (None: nothing for its kind yet); a finished
+        request is forgotten."""
         if req.is_finished:
-            return self._finish_request(req)
-        return self._make_output(req, finished=False)
-
-    def _finish_request(self, req: Request) -> RequestOutput:
-        req.finish_time = req.finish_time or time.monotonic()
-        self.requests.pop(req.request_id, None)
-        return self._make_output(req, finished=True)
-
-    def _make_output(self, req: Request, *, finished: bool) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.output_text[: stream_safe_len(s)],
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-            )
-            for s in sorted(req.seqs, key=lambda s: s.index)
-        ]
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
-                                 req.first_token_time, req.finish_time)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished, metrics, req.num_cached_tokens, req.error,
-                             prompt_logprobs=None if req.prompt_logprobs is None
-                             else list(req.prompt_logprobs))
+            req.finish_time = req.finish_time or time.monotonic()
+            self.requests.pop(req.request_id, None)
+        return self.outputs.output(req)
 
     def close(self) -> None:
         """Abort everything and release the KV memory."""

@@ -94,7 +94,7 @@ class ReplicaClient:
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   cache_salt: str | None, max_waiting: int | None) -> RequestStream:
         """Submit a request to this replica (errors as :meth:`AsyncEngine.add`)."""
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), params)
         with self._lock:  # registered first: its outputs may come right after the reply
             self._streams[request_id] = (stream, params.n)
             self.load += params.n
