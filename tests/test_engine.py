@@ -59,8 +59,9 @@ def assert_nothing_held(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def alone() -> dict[str, list[int]]:
     """Each prompt run on its own (the reference for batch invariance)."""
-    llm = make_llm("virtual")
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    with make_llm("virtual") as llm:
+        return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+                for p in PROMPTS}
 
 
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
@@ -213,7 +214,8 @@ def test_a_cpu_engine_creates_pages_in_chunks_and_maps_ahead() -> None:
     assert kv.pool.num_created == create.pages
     assert_nothing_held(llm.engine)
     # --precreate-pages: the whole budget in one fallocate at start-up, none later
-    kv = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=True).engine.kv
+    precreated = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=True)
+    kv = precreated.engine.kv
     assert kv.pool.num_created == kv.pool.num_pages
     assert kv.backend.stats.ops["create"].calls == 1
 

@@ -15,7 +15,7 @@ from vmkv.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from vmkv.engine.sequence import Request, Sequence, SeqStatus
+from vmkv.engine.sequence import Request, SeqStatus, Sequence
 from vmkv.models import load_tokenizer
 from vmkv.sampling_params import RequestOutputKind, SamplingParams
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -21,8 +22,9 @@ PERSON = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_model_len=384, max_num_seqs=16)
+def llm() -> Iterator[LLM]:
+    with LLM(max_model_len=384, max_num_seqs=16) as llm:
+        yield llm
 
 
 def chat(llm: LLM, text: str) -> list[int]:

@@ -258,6 +258,35 @@ def test_default_model_on_three_ranks_equals_one(kv_mode: str, default_model: st
     assert outs[3] == outs[1]
 
 
+def test_a_deleted_tensor_parallel_llm_makes_room_for_the_next(gqa_model: Path) -> None:
+    """In one process: a 2-rank ``LLM``, deleted (never closed), then another, and one used in
+    ``with`` (closed on leaving): each gives the same tokens and leaves no rank behind."""
+    import gc
+    import weakref
+
+    from vmkv import LLM
+
+    config = _config(gqa_model, "paged", 2)
+    prompt = list(range(30, 50))
+    first = LLM.from_config(config)
+    want = first.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    workers = list(first.engine.tp.workers.values())
+    engine = weakref.ref(first.engine)
+    del first
+    gc.collect()  # (an engine is freed by reference counting already; this makes it certain)
+    assert engine() is None
+    assert all(w.wait(10) == 0 for w in workers)  # the ranks were told to stop, and did
+    second = LLM.from_config(config)
+    assert second.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    del second
+    with LLM.from_config(config) as third:
+        assert third.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        workers = list(third.engine.tp.workers.values())
+    assert all(w.poll() == 0 for w in workers)
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        third.generate(prompt, GREEDY, use_tqdm=False)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] not in ("Z", "X")

@@ -33,6 +33,10 @@ class LLM:
 
     Construction tunes the process first (OpenMP defaults, glibc malloc; see
     vmkv/process_tuning.py, off with ``VMKV_PROCESS_TUNING=0``), then loads torch and the model.
+
+    :meth:`close` (or leaving ``with LLM(...) as llm:``) releases the KV memory and stops the
+    tensor-parallel ranks at once; an ``LLM`` nobody closes releases them when its engine is
+    garbage-collected (so ``del llm`` then a new tensor-parallel ``LLM`` works).
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -52,6 +56,16 @@ class LLM:
 
         self.engine: LLMEngine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Abort what runs, release the KV memory, stop the ranks (safe to call again)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -17,6 +17,7 @@ seconds. Either way the engine gets a :class:`TensorParallelError` naming the ra
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import socket
 import subprocess
@@ -81,6 +82,8 @@ class TensorParallelExecutor:
         if local > size:
             raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
         check_divisible(load_model_config(model_path), size)  # before any process starts
+        if dist.is_initialized():  # an engine nobody closed and nothing holds: release it now
+            gc.collect()
         if dist.is_initialized():
             raise ValueError("this process already runs a tensor-parallel engine (or another "
                              "torch.distributed group): one per process; close it first")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,6 +91,8 @@ class LLMEngine:
         self.mapper: BackgroundMapper | None = None
         if envs.background_mapper() and self.tp is None:
             self.mapper = self.kv.start_background_mapper()
+        # close() or, for an engine nobody closed, its garbage collection releases these
+        self._resources = weakref.finalize(self, _release, self.kv, self.mapper, self.tp)
         # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0, and under
         # tensor parallelism); None on the CPU
         self.graphs = None if config.enforce_eager or self.tp is not None else (
@@ -143,6 +147,8 @@ class LLMEngine:
         ``cache_salt``: requests with different salts never share prefix-cached KV.
         """
         params = params or SamplingParams()
+        if not self._resources.alive:
+            raise RuntimeError("this engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -350,17 +356,26 @@ class LLMEngine:
         return self.outputs.output(req)
 
     def close(self) -> None:
-        """Abort everything and release the KV memory."""
+        """Abort everything, release the KV memory and stop the tensor-parallel ranks (safe to
+        call again; an engine nobody closes is released when it is garbage-collected)."""
+        if not self._resources.alive:
+            return
         for request_id in list(self.requests):
             self.abort_request(request_id)
-        self.kv.close()
-        if self.mapper is not None:
-            self.mapper.close()
-        if self.tp is not None:
-            self.tp.close()
+        self._resources()
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel rank died or hangs);
         the async engine calls it while idle."""
         if self.tp is not None:
             self.tp.check_health()
+
+
+def _release(kv: Any, mapper: BackgroundMapper | None, tp: TensorParallelExecutor | None
+             ) -> None:
+    """What an engine holds outside Python objects: KV memory, the mapper's thread, ranks."""
+    kv.close()
+    if mapper is not None:
+        mapper.close()
+    if tp is not None:
+        tp.close()
