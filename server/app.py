@@ -355,9 +355,10 @@ class _Api:
                                       prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
                                       structured_outputs=await prepare_structure(self.front, body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        # before submitting: a busy decode pool must not leave submitted requests running
+        echo = [await self.workers.decode(p) if body.echo else "" for p in prompts]
         streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
-        echo = [await self.workers.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(
                 R.ending_with_errors(self._stream_completion(

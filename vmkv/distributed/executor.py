@@ -6,7 +6,7 @@
     with executor.step(inputs): model.forward(...) the workers replay the calls, then run
                                                    the same forward (all-reduces meet)
     executor.check_health()                        idle: workers alive? (a barrier every 5 s)
-    executor.close()                               CLOSE, join, kill what is left, leave groups
+    executor.close()                               Stop, join, kill what is left, leave groups
 
 The scheduler runs here only; see :mod:`vmkv.distributed.kv_replay` for why the workers'
 slot ids and block tables agree. A worker that dies breaks gloo's connections, so the next
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vmkv import envs
+from vmkv.commands import Stop
 from vmkv.config import EngineConfig
 from vmkv.distributed.collectives import (
     barrier,
@@ -45,7 +46,7 @@ from vmkv.distributed.kv_replay import (
     agree_vma_budget,
     kv_digest,
 )
-from vmkv.distributed.messages import CLOSE, StepInputs, StepMessage
+from vmkv.distributed.messages import StepInputs, StepMessage
 from vmkv.distributed.worker import local_worker_command, rank_device
 from vmkv.kv.base import KVCacheManager
 from vmkv.models.loader import load_model_config
@@ -170,7 +171,7 @@ class TensorParallelExecutor:
                 worker.kill()
         elif dist.is_initialized():
             try:
-                broadcast_message(CLOSE, self.timeout)
+                broadcast_message(Stop(), self.timeout)
             except RuntimeError as exc:
                 logger.warning("tensor parallel: could not tell the workers to stop: %s", exc)
         deadline = time.monotonic() + JOIN_TIMEOUT

@@ -1,13 +1,11 @@
-"""What rank 0 sends the tensor-parallel workers, once per step (pickled over gloo)."""
+"""What rank 0 sends the tensor-parallel workers, once per step (pickled over gloo); a
+:class:`vmkv.commands.Stop` ends their loop."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from vmkv.distributed.kv_replay import KVCall
-
-#: the message that ends a worker's loop
-CLOSE = "close"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     join the groups ─▶ receive the engine config from rank 0 ─▶ build_shard (same warm-up)
     loop: receive StepMessage ─▶ replay the KV calls ─▶ run the step's forward (its
           all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
-    until CLOSE, or until rank 0's connection breaks (then it exits with an error)
+    until Stop, or until rank 0's connection breaks (then it exits with an error)
 
 Started by the engine (:class:`~vmkv.distributed.executor.TensorParallelExecutor`, spawn) or,
 for ranks on other machines, by ``vmkv tp-worker`` (torchrun-style ``RANK``, ``WORLD_SIZE``,
@@ -12,17 +12,15 @@ for ranks on other machines, by ``vmkv tp-worker`` (torchrun-style ``RANK``, ``W
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-logger = logging.getLogger("vmkv")
+from vmkv.commands import Stop
+from vmkv.parent_death import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("vmkv")
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -46,11 +44,8 @@ def local_worker_command(rank: int, size: int, init_method: str, device: str,
 def main(argv: list[str]) -> None:
     """Entry point of a worker the engine started: it dies with the engine (SIGKILL on the
     parent's death, Linux), uses ``threads`` CPU threads, then serves ``rank``."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: close() ends them
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     rank, size, init_method, device, timeout, threads, parent = argv
-    if os.getppid() != int(parent):  # the engine died before the prctl took effect
-        raise SystemExit(1)
+    die_with_parent(int(parent))
     import torch
 
     torch.set_num_threads(int(threads))
@@ -58,7 +53,7 @@ def main(argv: list[str]) -> None:
 
 
 def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: float) -> None:
-    """Join the group as ``rank`` and serve rank 0's steps until it says CLOSE."""
+    """Join the group as ``rank`` and serve rank 0's steps until it says Stop."""
     import torch
 
     from vmkv.distributed.collectives import (
@@ -69,7 +64,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         init_tensor_parallel,
     )
     from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
-    from vmkv.distributed.messages import CLOSE, StepMessage
+    from vmkv.distributed.messages import StepMessage
     from vmkv.engine.shard import build_shard
 
     logging.basicConfig(level=logging.INFO,
@@ -87,7 +82,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
             except RuntimeError as exc:  # rank 0 is gone: nothing is left to serve
                 logger.error("rank 0 went away (%s); exiting", str(exc).splitlines()[0])
                 raise SystemExit(1) from None
-            if message == CLOSE:
+            if isinstance(message, Stop):
                 break
             assert isinstance(message, StepMessage)
             replayer.apply(message.kv_calls, message.swapped_ids)
