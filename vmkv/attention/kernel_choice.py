@@ -25,10 +25,11 @@ from types import ModuleType
 import torch
 
 from vmkv import envs
+from vmkv.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
+KERNELS = ATTENTION_BACKENDS
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 #: keyword arguments of aten._flash_attention_forward this code passes (present in 2.11+)
 ATEN_REQUIRED_KWARGS = frozenset({"scale", "seqused_k"})

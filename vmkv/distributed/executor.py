@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vmkv import envs
 from vmkv.commands import Stop
 from vmkv.config import EngineConfig
 from vmkv.distributed.collectives import (
@@ -89,7 +88,7 @@ class TensorParallelExecutor:
             raise ValueError("this process already runs a tensor-parallel engine (or another "
                              "torch.distributed group): one per process; close it first")
         self.size = size
-        self.check = envs.tp_check()
+        self.check = bool(config.tp_check)
         self.kv: RecordingKV | None = None
         self.closed = False
         self.failed = False  # a collective failed: the ranks are out of step for good

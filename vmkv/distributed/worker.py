@@ -65,7 +65,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
     )
     from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
     from vmkv.distributed.messages import StepMessage
-    from vmkv.engine.shard import build_shard
+    from vmkv.executor.shard import build_shard
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s vmkv tp rank {rank} %(levelname)s %(message)s")

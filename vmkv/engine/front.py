@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vmkv.config import EngineConfig
+from vmkv.config import EngineConfig, resolve_max_model_len
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache, check_schema_supported
 from vmkv.structured.params import StructuredOutputsParams
@@ -31,14 +31,6 @@ if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.engine.outputs import RequestOutput
     from vmkv.models.config import ModelConfig
-
-
-def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
-    """``config.max_model_len``, or the model's limit when unset; ValueError past the limit."""
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                         f"limit ({model_limit})")
-    return config.max_model_len or model_limit
 
 
 def stop_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

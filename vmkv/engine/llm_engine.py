@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from vmkv import envs
 from vmkv.config import EngineConfig
 from vmkv.distributed.executor import TensorParallelExecutor
 from vmkv.engine.cuda_graphs import maybe_create_graph_runner
@@ -27,7 +26,7 @@ from vmkv.engine.output_processor import OutputProcessor
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
-from vmkv.engine.shard import build_shard
+from vmkv.executor.shard import build_shard
 from vmkv.kv.base import VmmError
 from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
@@ -87,9 +86,9 @@ class LLMEngine:
         self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
         self.dtype = self.model.dtype
         # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
-        # VMKV_BACKGROUND_MAPPER=0, and under tensor parallelism); the KV manager waits for it
+        # --no-background-mapper, and under tensor parallelism); the KV manager waits for it
         self.mapper: BackgroundMapper | None = None
-        if envs.background_mapper() and self.tp is None:
+        if config.background_mapper and self.tp is None:
             self.mapper = self.kv.start_background_mapper()
         # close() or, for an engine nobody closed, its garbage collection releases these
         self._resources = weakref.finalize(self, _release, self.kv, self.mapper, self.tp)

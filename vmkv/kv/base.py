@@ -20,7 +20,7 @@ import torch
 from vmkv.kv.addressing import Addressing
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
-from vmkv.memory.base import VmmError
+from vmkv.memory.errors import VmmError
 
 __all__ = ["KVCacheManager", "KVUsage", "SwappedKV", "VmmError"]
 

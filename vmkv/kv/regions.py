@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from vmkv.kv.spec import VirtualLayout
-from vmkv.memory.base import MappingBudgetExceeded, VmmError, rolled_back
+from vmkv.memory.base import rolled_back
+from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import UNMAPPED, VirtualRegion
 

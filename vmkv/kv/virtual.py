@@ -46,7 +46,7 @@ from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.regions import RegionGroup
 from vmkv.kv.slots import SlotTable
 from vmkv.kv.spec import KVSpec, VirtualLayout
-from vmkv.memory.base import MappingBudgetExceeded, VmmError
+from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
 
 if TYPE_CHECKING:

@@ -29,7 +29,8 @@ import logging
 
 import numpy as np
 
-from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import VmmError
 
 logger = logging.getLogger("vmkv")
 

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vmkv.memory.base import MappingBudgetExceeded, rolled_back
+from vmkv.memory.base import rolled_back
+from vmkv.memory.errors import MappingBudgetExceeded
 from vmkv.memory.pool import PagePool
 
 UNMAPPED = -1

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-from vmkv import envs
 from vmkv.attention import create_attention_backend
 from vmkv.attention.base import AttentionBackend
-from vmkv.config import EngineConfig
+from vmkv.config import EngineConfig, resolve_max_model_len
 from vmkv.distributed.collectives import local_only
-from vmkv.engine.front import resolve_max_model_len
 from vmkv.kv import create_kv_cache
 from vmkv.kv.base import KVCacheManager
 from vmkv.models import LlamaModel, ModelConfig, load_model, parse_dtype
@@ -62,15 +60,15 @@ def build_shard(config: EngineConfig, model_path: Path, *, rank: int = 0,
     max_model_len = resolve_max_model_len(config, model_config.max_model_len)
     kv = create_kv_cache(config.cache, model.config.kv_spec(dtype), num_slots=config.max_num_seqs,
                          max_model_len=max_model_len, device=device)
-    attn = create_attention_backend(kv)
-    # CPU float32 with MKL linears: the layers as C++ calls (off: VMKV_FUSED_LAYERS=0);
-    # otherwise compiled with TorchInductor (off: --enforce-eager or VMKV_COMPILE=0; without a
-    # compiler or on a failure: eager, logged). Warm-up without collectives: each rank
-    # compiles (or not, or fails) on its own
-    fused = fuse_layers(model) if device == "cpu" and envs.fused_layers_enabled() else None
+    attn = create_attention_backend(kv, config.attention_backend)
+    # CPU float32 with MKL linears: the layers as C++ calls (off: --no-fused-layers);
+    # otherwise compiled with TorchInductor (off: --enforce-eager or --no-compile-layers;
+    # without a compiler or on a failure: eager, logged). Warm-up without collectives: each
+    # rank compiles (or not, or fails) on its own
+    fused = fuse_layers(model) if device == "cpu" and config.fused_layers else None
     with local_only():
         compiled = (device == "cpu" and fused is None and not config.enforce_eager
-                    and envs.compile_enabled()
+                    and config.compile_layers
                     and try_compile(model, partial(warm_up_step, model, kv, attn)))
     return EngineShard(model, model_config, max_model_len, kv, attn, compiled, fused)
 
