@@ -26,7 +26,7 @@ from attention_scenarios import ReferenceVarlen  # sets TRITON_INTERPRET without
 
 from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.kv_store import store_index_copy, store_triton
-from vmkv.engine.cuda_graphs import DecodeGraphRunner
+from vmkv.executor.cuda_graphs import DecodeGraphRunner
 from vmkv.kv import PagedKVCache, VirtualKVCache
 from vmkv.memory import PagePool
 from vmkv.memory.host import HostMemoryBackend

@@ -229,13 +229,14 @@ def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch
         pytest.skip("torch without MKL's packed GEMM")
     fused = {mode: make_llm(mode, linear_backend="mkl") for mode in ("virtual", "paged")}
     for llm in fused.values():
-        assert llm.engine.fused is not None and not llm.engine.compiled
+        worker = llm.engine.executor.worker
+        assert worker.fused is not None and not worker.compiled
         assert llm.engine.startup_report()[-1] == (
             "decoder layers fused (C++ calls around the attention)")
-    assert make_llm("paged", linear_backend="torch").engine.fused is None
+    assert make_llm("paged", linear_backend="torch").engine.executor.worker.fused is None
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")
     modules = make_llm("virtual", linear_backend="mkl")
-    assert modules.engine.fused is None
+    assert modules.engine.executor.worker.fused is None
     want = [o.outputs[0].token_ids for o in modules.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for llm in fused.values():
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -249,14 +250,14 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     through the real KV cache, freed again) unless told not to; the tokens do not change."""
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")  # else the layers run fused, not compiled
     eager = make_llm("virtual")
-    assert not eager.engine.compiled and eager.engine.startup_report()[-1] == (
+    assert not eager.engine.executor.worker.compiled and eager.engine.startup_report()[-1] == (
         "model runs eagerly")
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("VMKV_COMPILE", "1")
     from torch._dynamo.utils import counters
     counters.clear()
     llm = make_llm("virtual")
-    assert llm.engine.compiled
+    assert llm.engine.executor.worker.compiled
     assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
     assert_nothing_held(llm.engine)  # the warm-up request is gone
     # warm-up traced at most one graph (none if an earlier engine in this process left one)
@@ -267,4 +268,4 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == want[0]  # one request: steps of 1 token
     assert counters["stats"]["unique_graphs"] == warm_up_graphs  # that graph serves every T
-    assert not make_llm("paged", enforce_eager=True).engine.compiled
+    assert not make_llm("paged", enforce_eager=True).engine.executor.worker.compiled

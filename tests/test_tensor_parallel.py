@@ -270,7 +270,7 @@ def test_a_deleted_tensor_parallel_llm_makes_room_for_the_next(gqa_model: Path) 
     prompt = list(range(30, 50))
     first = LLM.from_config(config)
     want = first.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    workers = list(first.engine.tp.workers.values())
+    workers = list(first.engine.executor.workers.values())
     engine = weakref.ref(first.engine)
     del first
     gc.collect()  # (an engine is freed by reference counting already; this makes it certain)
@@ -281,7 +281,7 @@ def test_a_deleted_tensor_parallel_llm_makes_room_for_the_next(gqa_model: Path) 
     del second
     with LLM.from_config(config) as third:
         assert third.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
-        workers = list(third.engine.tp.workers.values())
+        workers = list(third.engine.executor.workers.values())
     assert all(w.poll() == 0 for w in workers)
     with pytest.raises(RuntimeError, match="this engine is closed"):
         third.generate(prompt, GREEDY, use_tqdm=False)
@@ -296,7 +296,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_killed_worker_fails_the_engine_fast_and_leaves_no_process(gqa_model: Path) -> None:
     engine = LLMEngine(_config(gqa_model, "virtual", 2))
-    workers = list(engine.tp.workers.values())
+    workers = list(engine.executor.workers.values())
     engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(workers[0].pid, signal.SIGKILL)
@@ -313,7 +313,7 @@ def test_a_hung_worker_fails_the_engine_after_the_timeout(gqa_model: Path) -> No
     """A stopped (SIGSTOP) worker: rank 0's next all-reduce gives up after
     ``distributed_timeout``; close() kills the worker without waiting for it."""
     engine = LLMEngine(_config(gqa_model, "paged", 2, distributed_timeout=3))
-    worker = next(iter(engine.tp.workers.values()))
+    worker = next(iter(engine.executor.workers.values()))
     engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(worker.pid, signal.SIGSTOP)
@@ -375,14 +375,14 @@ def test_two_ranks_serve_the_openai_client_compiled(gqa_model: Path,
     server = serve(config)
     running = next(server)
     try:
-        assert running.engine.engine.compiled
+        assert running.engine.engine.executor.worker.compiled
         client = client_of(running)
         kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
                   "extra_body": {"ignore_eos": True}}
         assert client.completions.create(**kwargs).choices[0].text == expected
         chunks = client.completions.create(stream=True, **kwargs)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-        worker = next(iter(running.engine.engine.tp.workers.values()))
+        worker = next(iter(running.engine.engine.executor.workers.values()))
         os.kill(worker.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{running.url}/health").status_code == 200:

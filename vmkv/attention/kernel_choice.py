@@ -38,7 +38,7 @@ FLASH_PAGED_BLOCK = 256  # FA2's paged KV needs block_size % 256 == 0
 
 def requested_kernel(kernel: str | None) -> str:
     """``kernel`` or ``$VMKV_ATTENTION_BACKEND`` or "auto"; ValueError for unknown names."""
-    name = kernel or envs.attention_backend()
+    name = kernel or envs.VMKV_ATTENTION_BACKEND.get() or "auto"
     if name not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {name!r}"
                          + ("" if kernel else f" (from ${envs.VMKV_ATTENTION_BACKEND.name})"))

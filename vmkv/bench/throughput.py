@@ -84,11 +84,10 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:
 
 
 def _op_totals(engine: LLMEngine) -> dict[str, dict[str, int]]:
-    backend = getattr(engine.kv, "backend", None)
-    if backend is None:  # paged mode maps nothing
-        return {}
-    return {op: {"calls": s.calls, "pages": s.pages, "total_ns": s.total_ns}
-            for op, s in backend.stats.ops.items() if op in MAP_OPS}
+    """The KV manager's mapping counters (empty in paged mode, which maps nothing)."""
+    return {op: {"calls": int(s["calls"]), "pages": int(s["pages"]),
+                 "total_ns": round(s["total_ms"] * 1e6)}
+            for op, s in engine.kv.memory_stats().items() if op in MAP_OPS}
 
 
 @dataclass

@@ -6,17 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vmkv.distributed.kv_replay import KVCall
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One model step, flattened in request order (what ``ModelRunner.execute`` builds)."""
-
-    request_ids: list[str]
-    context_lens: list[int]
-    query_lens: list[int]
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
+from vmkv.executor.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -28,6 +18,6 @@ class StepMessage:
 
     kv_calls: list[KVCall]
     swapped_ids: list[str] = field(default_factory=list)
-    step: StepInputs | None = None
+    step: StepPlan | None = None
     ping: bool = False
     check: bool = False

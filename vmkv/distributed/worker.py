@@ -1,8 +1,8 @@
 """A tensor-parallel worker: ranks 1..N-1, each one process holding its shard and KV.
 
-    join the groups ─▶ receive the engine config from rank 0 ─▶ build_shard (same warm-up)
-    loop: receive StepMessage ─▶ replay the KV calls ─▶ run the step's forward (its
-          all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
+    join the groups ─▶ receive the engine config from rank 0 ─▶ Worker (same warm-up)
+    loop: receive StepMessage ─▶ replay the KV calls ─▶ the worker's runner runs the step's
+          forward (its all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
     until Stop, or until rank 0's connection breaks (then it exits with an error)
 
 Started by the engine (:class:`~vmkv.distributed.executor.TensorParallelExecutor`, spawn) or,
@@ -54,8 +54,6 @@ def main(argv: list[str]) -> None:
 
 def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: float) -> None:
     """Join the group as ``rank`` and serve rank 0's steps until it says Stop."""
-    import torch
-
     from vmkv.distributed.collectives import (
         barrier,
         broadcast_message,
@@ -65,17 +63,18 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
     )
     from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
     from vmkv.distributed.messages import StepMessage
-    from vmkv.executor.shard import build_shard
+    from vmkv.executor.worker import Worker
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s vmkv tp rank {rank} %(levelname)s %(message)s")
     init_tensor_parallel(rank, size, init_method, device, timeout)
     try:
         config = broadcast_message()
-        shard = build_shard(config, Path(config.model), rank=rank, device=device)
-        replayer = KVReplayer(shard.kv, rank)
-        agree_vma_budget(shard.kv)  # ready: rank 0 waits for every shard
-        logger.info("serving %s, KV: %s", shard.model.config.architecture, shard.kv.describe())
+        worker = Worker(config, Path(config.model), rank=rank, device=device)
+        replayer = KVReplayer(worker.kv, rank)
+        agree_vma_budget(worker.kv)  # ready: rank 0 waits for every shard
+        logger.info("serving %s, KV: %s", worker.model.config.architecture,
+                    worker.kv.describe())
         while True:
             try:
                 message = broadcast_message()
@@ -86,19 +85,13 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
                 break
             assert isinstance(message, StepMessage)
             replayer.apply(message.kv_calls, message.swapped_ids)
-            step = message.step
-            if step is not None:
-                with torch.inference_mode():
-                    meta = shard.attn.prepare(step.request_ids, step.context_lens,
-                                              step.query_lens)
-                    ids = torch.tensor(step.input_ids, dtype=torch.int64, device=device)
-                    pos = torch.tensor(step.positions, dtype=torch.int64, device=device)
-                    shard.model.forward(ids, pos, shard.attn, meta)
+            if message.step is not None:
+                worker.runner.forward(message.step)
             if message.ping:
                 barrier(None)
             if message.check:
-                gather_messages(kv_digest(shard.kv))
-        shard.kv.close()
+                gather_messages(kv_digest(worker.kv))
+        worker.close()
     finally:
         close_tensor_parallel()
 

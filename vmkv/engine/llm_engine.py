@@ -18,17 +18,14 @@ from typing import Any
 import torch
 
 from vmkv.config import EngineConfig
-from vmkv.distributed.executor import TensorParallelExecutor
-from vmkv.engine.cuda_graphs import maybe_create_graph_runner
 from vmkv.engine.front import stop_token_ids
-from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.output_processor import OutputProcessor
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
-from vmkv.executor.shard import build_shard
+from vmkv.engine.step_plan import plan_step
+from vmkv.executor import Executor, create_executor
 from vmkv.kv.base import VmmError
-from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
@@ -54,10 +51,32 @@ class EngineCounters:
         self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
 
-class LLMEngine:
-    """Continuous-batching engine over one model and one KV cache manager."""
+@dataclass
+class StepStats:
+    """What the last :meth:`LLMEngine.step` did, and where its time went (nanoseconds, from
+    ``time.perf_counter_ns``): what profilers and traces read instead of wrapping the engine.
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``execute_ns``: the executor's step (the forward and the logits); ``sample_ns``: the
+    sampler (logits to token ids); the rest of ``total_ns`` is the engine's own work
+    (scheduling, KV decisions, the step plan, fork/append/detokenise/stop and outputs)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    total_ns: int = 0
+    execute_ns: int = 0
+    sample_ns: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over one executor (the model's ranks) and its KV manager.
+
+    ``LLMEngine(config)`` loads the tokenizer and builds the executor the config asks for
+    (one rank, or tensor-parallel ranks); ``executor=`` and ``tokenizer=`` give it ready ones
+    (tests drive the scheduling and outputs with a stand-in executor and no weights).
+    """
+
+    def __init__(self, config: EngineConfig, *, executor: Executor | None = None,
+                 tokenizer: Any = None) -> None:
         started = time.monotonic()
         if config.data_parallel_size != 1:
             raise ValueError(f"an LLMEngine is one replica, got data_parallel_size="
@@ -65,42 +84,22 @@ class LLMEngine:
                              "vmkv.engine.data_parallel.DataParallelEngine (vmkv serve, vmkv "
                              "bench throughput)")
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)  # before any rank
-        # tensor parallelism: workers for ranks 1..N-1 (they build their shards meanwhile)
-        self.tp: TensorParallelExecutor | None = None
-        if config.tensor_parallel_size > 1:
-            self.tp = TensorParallelExecutor(config, self.model_path)
-        try:
-            shard = build_shard(config, self.model_path)
-            if self.tp is not None:
-                self.tp.wait_ready(shard.kv)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close(graceful=False)
-            raise
-        self.model, self.model_config = shard.model, shard.model_config
-        self.max_model_len, self.attn, self.compiled, self.fused = (
-            shard.max_model_len, shard.attn, shard.compiled, shard.fused)
-        # the scheduler's and the engine's KV calls reach every rank through the recorder
-        self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
-        self.dtype = self.model.dtype
-        # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
-        # --no-background-mapper, and under tensor parallelism); the KV manager waits for it
-        self.mapper: BackgroundMapper | None = None
-        if config.background_mapper and self.tp is None:
-            self.mapper = self.kv.start_background_mapper()
-        # close() or, for an engine nobody closed, its garbage collection releases these
-        self._resources = weakref.finalize(self, _release, self.kv, self.mapper, self.tp)
-        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0, and under
-        # tensor parallelism); None on the CPU
-        self.graphs = None if config.enforce_eager or self.tp is not None else (
-            maybe_create_graph_runner(self.model, self.attn, max_batch_size=config.max_num_seqs,
-                                      mapper=self.mapper))
+        if executor is None:
+            model_path = resolve_model(config.model)
+            if tokenizer is None:  # before any rank starts
+                tokenizer = load_tokenizer(config.tokenizer or model_path)
+            executor = create_executor(config, model_path)
+        elif tokenizer is None:
+            raise ValueError("an engine given an executor needs its tokenizer too")
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.kv = executor.kv
+        self.model_config, self.max_model_len = executor.model_config, executor.max_model_len
+        # close() or, for an engine nobody closed, its garbage collection releases it
+        self._resources = weakref.finalize(self, executor.close)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.attn, self.graphs, self.tp)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = stop_token_ids(self.model_config, self.tokenizer)
@@ -111,6 +110,7 @@ class LLMEngine:
                                        config.device)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
+        self.last_step = StepStats()
         self.startup_seconds = time.monotonic() - started
         for line in self.startup_report():
             logger.info(line)
@@ -119,23 +119,17 @@ class LLMEngine:
     def startup_report(self) -> list[str]:
         """What vLLM users read at start-up: capacity, concurrency, and the KV geometry."""
         kv, cap = self.kv, self.kv.capacity_tokens
-        lines = [
-            f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}) "
-            f"on {self.config.device}, loaded in {self.startup_seconds:.1f} s",
+        return [
+            f"model {self.executor.model_name} ({self.model_config.architecture}, "
+            f"{self.executor.dtype}) on {self.config.device}, loaded in "
+            f"{self.startup_seconds:.1f} s",
             f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix is not None else 'off'}",
             kv.describe(),
-            ("decoder layers fused (C++ calls around the attention)" if self.fused is not None
-             else "decoder layers compiled (TorchInductor)" if self.compiled
-             else "model runs eagerly"),
+            *self.executor.describe(),
         ]
-        if self.tp is not None:
-            lines.append(f"tensor parallel: {self.tp.size} ranks; each holds the KV above for "
-                         f"{self.model.config.num_kv_heads} of the "
-                         f"{self.model_config.num_kv_heads} KV heads")
-        return lines
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -243,8 +237,11 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of every request that changed (finished ones last
-        appear with ``finished=True`` and are forgotten)."""
+        """Run one scheduled step; outputs of every request that changed, as their
+        ``output_kind`` says (a finished request's last output has ``finished=True``, and the
+        request is forgotten)."""
+        started = time.perf_counter_ns()
+        stats = self.last_step = StepStats()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in out.out_of_capacity:
@@ -262,26 +259,33 @@ class LLMEngine:
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            logits, ready, prompt_hidden = self.runner.execute(out)
-            self._record_prompt_logprobs(prompt_hidden)
+            plan, ready, prompt_seqs = plan_step(out)
+            stats.num_seqs, stats.num_tokens = len(out.scheduled), plan.num_tokens
+            t = time.perf_counter_ns()
+            logits, prompt_hidden = self.executor.execute(plan)
+            stats.execute_ns = time.perf_counter_ns() - t
+            self._record_prompt_logprobs(prompt_seqs, prompt_hidden)
             self.scheduler.update(out)
-            if self.mapper is not None:  # map ahead while the GPU computes; any KV call
+            mapper = self.executor.mapper
+            if mapper is not None:  # map ahead while the GPU computes; any KV call
                 # waits for it (sampling below syncs with the GPU first)
-                self.mapper.submit(self.kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))
+                mapper.submit(self.kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))
             if ready:
                 self._sample(logits, ready, touched)
-            if self.mapper is not None:
-                self.mapper.wait()  # idle between steps (abort/add never race with it)
+            if mapper is not None:
+                mapper.wait()  # idle between steps (abort/add never race with it)
         outputs = [self._output(req) for req in touched.values()]
+        stats.total_ns = time.perf_counter_ns() - started
         return [o for o in outputs if o is not None]
 
-    def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
+    def _record_prompt_logprobs(self, prompt_seqs: list[tuple[Sequence, int]],
+                                prompt_hidden: list[torch.Tensor]) -> None:
         """Score the prompt tokens this step's prefill chunks predict (in the same forward)."""
-        for seq, first, hidden in prompt_hidden:
+        for (seq, first), hidden in zip(prompt_seqs, prompt_hidden, strict=True):
             req = seq.request
             targets = seq.token_ids[first + 1 : first + 1 + len(hidden)]
             self.outputs.prompt_logprobs(req, prompt_logprobs(
-                self.model.compute_logits, hidden, targets, req.params.prompt_logprobs))
+                self.executor.compute_logits, hidden, targets, req.params.prompt_logprobs))
 
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
@@ -304,7 +308,9 @@ class LLMEngine:
             return
         if rows != list(range(len(ready))):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        t = time.perf_counter_ns()
         result = self.sampler(logits, [s.sampling_state for s in seqs])
+        self.last_step.sample_ns = time.perf_counter_ns() - t
         now = time.monotonic()
         for i, seq in enumerate(seqs):
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
@@ -366,15 +372,4 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel rank died or hangs);
         the async engine calls it while idle."""
-        if self.tp is not None:
-            self.tp.check_health()
-
-
-def _release(kv: Any, mapper: BackgroundMapper | None, tp: TensorParallelExecutor | None
-             ) -> None:
-    """What an engine holds outside Python objects: KV memory, the mapper's thread, ranks."""
-    kv.close()
-    if mapper is not None:
-        mapper.close()
-    if tp is not None:
-        tp.close()
+        self.executor.check_health()
