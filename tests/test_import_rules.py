@@ -109,6 +109,13 @@ def test_every_module_imports_only_the_layers_below_it_and_the_leaves() -> None:
     assert sorted(upward) == [], "imports against the layer order"
 
 
+def test_the_engine_reaches_memory_only_through_the_kv_contract() -> None:
+    uses = [f"{module} -> {target}" for module, imported in _module_graph().items()
+            if _is(module, "vmkv.engine") or module == "vmkv.llm"
+            for target in imported if _is(target, "vmkv.memory")]
+    assert uses == []
+
+
 def test_no_import_circle_among_modules() -> None:
     graph = _module_graph()
     graph["vmkv"] = set()  # the package only re-exports lazily (`vmkv.LLM`)

@@ -163,8 +163,8 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
               + ("cache hits" if expect_hits else "no whole unit, no hit"),
               (hits > 0) == expect_hits, cached_tokens=hits, unit_tokens=unit_tokens)
     info: dict[str, object] = {}
-    if engine.executor.mapper is not None:
-        info["mapper"] = engine.executor.mapper.stats.as_dict()
+    if engine.kv.mapper is not None:
+        info["mapper"] = engine.kv.mapper.stats.as_dict()
     graphs = engine.executor.worker.runner.graphs
     if graphs is not None:
         info["graph_replays"] = graphs.num_replays

@@ -126,7 +126,7 @@ class LLMEngine:
             f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
-            f"{'on' if self.kv.prefix is not None else 'off'}",
+            f"{'on' if self.kv.prefix_caching else 'off'}",
             kv.describe(),
             *self.executor.describe(),
         ]
@@ -266,14 +266,10 @@ class LLMEngine:
             stats.execute_ns = time.perf_counter_ns() - t
             self._record_prompt_logprobs(prompt_seqs, prompt_hidden)
             self.scheduler.update(out)
-            mapper = self.executor.mapper
-            if mapper is not None:  # map ahead while the GPU computes; any KV call
-                # waits for it (sampling below syncs with the GPU first)
-                mapper.submit(self.kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))
-            if ready:
-                self._sample(logits, ready, touched)
-            if mapper is not None:
-                mapper.wait()  # idle between steps (abort/add never race with it)
+            # the KV manager maps ahead while the GPU computes (sampling syncs with it first)
+            with self.kv.mapping_ahead(PREMAP_LOOKAHEAD_TOKENS):
+                if ready:
+                    self._sample(logits, ready, touched)
         outputs = [self._output(req) for req in touched.values()]
         stats.total_ns = time.perf_counter_ns() - started
         return [o for o in outputs if o is not None]

@@ -23,7 +23,6 @@ from vmkv.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from vmkv.executor.worker import Worker
-    from vmkv.memory.mapper import BackgroundMapper
 
 
 class Executor(ABC):
@@ -36,7 +35,6 @@ class Executor(ABC):
         max_model_len: longest prompt + output.
         dtype: the weights' and KV cache's dtype.
         worker: rank 0's worker (model, attention backend, runner), where there is one.
-        mapper: the background mapper that pre-maps pages while the device computes, if any.
     """
 
     kv: KVCacheManager
@@ -45,7 +43,7 @@ class Executor(ABC):
     max_model_len: int
     dtype: torch.dtype
     worker: Worker | None = None
-    mapper: BackgroundMapper | None = None
+    _closed = False
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -63,5 +61,7 @@ class Executor(ABC):
         return []
 
     def close(self) -> None:
-        """Release the KV memory (and stop the ranks); safe to call again."""
-        self.kv.close()
+        """Release the KV memory (and its mapper; the ranks too); safe to call again."""
+        if not self._closed:
+            self._closed = True
+            self.kv.close()

@@ -24,16 +24,15 @@ class LocalExecutor(Executor):
         self.model_name = model_path.name
         self.max_model_len = self.worker.max_model_len
         self.dtype = self.worker.model.dtype
-        # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
-        # --no-background-mapper); the KV manager waits for it
-        self.mapper = self.kv.start_background_mapper() if config.background_mapper else None
+        # virtual mode on CUDA: the KV manager maps the next steps' pages on its own thread
+        # while the GPU computes (off with --no-background-mapper)
+        mapper = self.kv.start_background_mapper() if config.background_mapper else None
         # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0); None
         # on the CPU
         if not config.enforce_eager:
             self.worker.runner.graphs = maybe_create_graph_runner(
                 self.worker.model, self.worker.attn, max_batch_size=config.max_num_seqs,
-                mapper=self.mapper)
-        self._closed = False
+                mapper=mapper)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.runner.execute(plan)
@@ -43,11 +42,3 @@ class LocalExecutor(Executor):
 
     def describe(self) -> list[str]:
         return [self.worker.describe()]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.kv.close()
-        if self.mapper is not None:
-            self.mapper.close()

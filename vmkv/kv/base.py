@@ -11,7 +11,8 @@ and per-request addressing (slot ids or block tables).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
 from vmkv.memory.errors import VmmError
 
-__all__ = ["KVCacheManager", "KVUsage", "SwappedKV", "VmmError"]
+__all__ = ["KVCacheManager", "KVUsage", "PrefixCacheStats", "SwappedKV", "VmmError"]
 
 if TYPE_CHECKING:
     from vmkv.memory.mapper import BackgroundMapper
@@ -77,6 +78,15 @@ class KVUsage:
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "fraction": self.fraction, "useful_fraction": self.useful_fraction}
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix caching's counters since start-up: prompt tokens looked up, and found."""
+
+    enabled: bool
+    queries: int = 0
+    hits: int = 0
 
 
 class KVCacheManager(ABC):
@@ -191,10 +201,28 @@ class KVCacheManager(ABC):
         so that the same calls get the same answers on every rank); no-op without a budget."""
 
     # -- background pre-mapping (virtual mode on CUDA; see vmkv.memory.mapper) ----------------
+    #: the mapper thread :meth:`start_background_mapper` started (closed with the manager)
+    mapper: BackgroundMapper | None = None
+
     def start_background_mapper(self) -> BackgroundMapper | None:
-        """Start a mapper thread that pre-maps pages while the device computes, attached to
-        this manager; None where there is nothing to pre-map."""
+        """Start a mapper thread that pre-maps pages while the device computes, owned by this
+        manager (:attr:`mapper`); None where there is nothing to pre-map."""
         return None
+
+    @contextmanager
+    def mapping_ahead(self, lookahead_tokens: int) -> Iterator[None]:
+        """While the body runs (the device computes), the mapper pre-maps the pages the
+        running requests' next ``lookahead_tokens`` tokens need; on leaving, wait for it, so
+        no KV call between steps ever races with it. Without a mapper: nothing."""
+        mapper = self.mapper
+        if mapper is None:
+            yield
+            return
+        mapper.submit(self.premap_ahead(lookahead_tokens))
+        try:
+            yield
+        finally:
+            mapper.wait()
 
     def premap_ahead(self, lookahead_tokens: int) -> list[Callable[[], int]]:
         """Units of work for the mapper: the pages running requests' next ``lookahead_tokens``
@@ -221,6 +249,18 @@ class KVCacheManager(ABC):
     def reset_prefix_cache(self) -> int:
         """Forget every cached unit; returns how many (0 when prefix caching is off)."""
         return self.prefix.reset() if self.prefix is not None else 0
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (requests may start with cached tokens)."""
+        return self.prefix is not None
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prefix caching's lookups and hits (in prompt tokens) since start-up."""
+        prefix = self.prefix
+        if prefix is None:
+            return PrefixCacheStats(enabled=False)
+        return PrefixCacheStats(True, prefix.queries, prefix.hits)
 
     def has_request(self, request_id: str) -> bool:
         return self.num_tokens(request_id) > 0 or request_id in self.request_ids()

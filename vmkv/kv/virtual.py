@@ -63,8 +63,8 @@ def _waits_for_mapper(cls: C) -> C:
     def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(self: VirtualKVCache, *args: Any, **kwargs: Any) -> Any:
-            if self._mapper is not None:
-                self._mapper.wait()
+            if self.mapper is not None:
+                self.mapper.wait()
             return fn(self, *args, **kwargs)
 
         return wrapper
@@ -132,15 +132,16 @@ class VirtualKVCache(KVCacheManager):
         self.regions = RegionGroup(pool, self.layout, self.slots.num_va_slots)
         self._layer_views = self.regions.layer_views(self.slots.num_va_slots)
         self._num_tokens: dict[str, int] = {}
-        self._mapper: BackgroundMapper | None = None
+        self.mapper: BackgroundMapper | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCaching(PageUnits(self), prefix_cache_hash)
 
     # -- background pre-mapping (vmkv.memory.mapper) ------------------------------------------
     def attach_mapper(self, mapper: BackgroundMapper | None) -> None:
         """Let ``mapper`` pre-map pages (:meth:`premap_ahead`); from now on every public method
-        first waits for it, so the manager is never used while a unit runs."""
-        self._mapper = mapper
+        first waits for it, so the manager is never used while a unit runs. The manager owns
+        it: :meth:`close` closes it."""
+        self.mapper = mapper
 
     def start_background_mapper(self) -> BackgroundMapper | None:
         """A mapper thread attached to this cache when its pages live on a GPU (there map calls
@@ -481,7 +482,10 @@ class VirtualKVCache(KVCacheManager):
 
     def close(self) -> None:
         """Free every request, unmap and release every page, the reservations and the
-        backend's own resources (its pool file or anchor page)."""
+        backend's own resources (its pool file or anchor page), and stop its mapper."""
+        if self.mapper is not None:
+            self.mapper.close()
+            self.mapper = None
         for rid in list(self.slots.slot_of):
             self.free(rid)
         if self.prefix is not None:
