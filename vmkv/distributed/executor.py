@@ -3,8 +3,8 @@
     TensorParallelExecutor(config, model_path)     spawn ranks 1..local-1, join the groups,
                                                    send them the config; build rank 0's
                                                    Worker (they build theirs), wait for all
-    executor.kv                                    the scheduler's KV: calls are recorded
-    executor.execute(plan)                         the workers replay the calls, then run the
+    executor.kv                                    rank 0's KV manager, recording its changes
+    executor.execute(plan)                         the workers apply the changes, then run the
                                                    same forward (all-reduces meet)
     executor.check_health()                        idle: workers alive? (a barrier every 5 s)
     executor.close()                               Stop, join, kill what is left, leave groups
@@ -12,10 +12,11 @@
 It is an :class:`~vmkv.executor.base.Executor`: the engine drives it as it drives the
 single-rank :class:`~vmkv.executor.local.LocalExecutor`.
 
-The scheduler runs here only; see :mod:`vmkv.distributed.kv_replay` for why the workers'
-slot ids and block tables agree. A worker that dies breaks gloo's connections, so the next
-collective fails at once; one that hangs fails it after ``config.distributed_timeout``
-seconds. Either way the engine gets a :class:`TensorParallelError` naming the rank.
+The scheduler runs here only, and only rank 0's KV manager decides: the workers apply its
+changes (:mod:`vmkv.kv.changes`), the exact slots, pages and blocks it chose. A worker that
+dies breaks gloo's connections, so the next collective fails at once; one that hangs fails it
+after ``config.distributed_timeout`` seconds. Either way the engine gets a
+:class:`TensorParallelError` naming the rank.
 """
 
 from __future__ import annotations
@@ -43,12 +44,7 @@ from vmkv.distributed.collectives import (
     gather_messages,
     init_tensor_parallel,
 )
-from vmkv.distributed.kv_replay import (
-    KVDivergedError,
-    RecordingKV,
-    agree_vma_budget,
-    kv_digest,
-)
+from vmkv.distributed.kv_checks import KVDivergedError, agree_vma_budget, kv_digest
 from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.worker import local_worker_command, rank_device
 from vmkv.executor.base import Executor
@@ -121,8 +117,9 @@ class TensorParallelExecutor(Executor):
         except BaseException:
             self.close(graceful=False)
             raise
-        # the scheduler's and the engine's KV calls reach every rank through the recorder
-        self.kv = RecordingKV(self.worker.kv)  # type: ignore[assignment]
+        # rank 0's manager decides; its changes reach every rank with the next step
+        self.kv = self.worker.kv
+        self.kv.record_changes()
         self.model_config = self.worker.model_config
         self.model_name = model_path.name
         self.max_model_len = self.worker.max_model_len
@@ -212,9 +209,9 @@ class TensorParallelExecutor(Executor):
 
     # -- inside ---------------------------------------------------------------------------------
     def _message(self, *, step: StepPlan | None = None, ping: bool = False) -> StepMessage:
-        kv = getattr(self, "kv", None)
-        return StepMessage(kv.take_calls() if kv else [], kv.swapped_ids() if kv else [],
-                           step, ping=ping, check=self.check and step is not None)
+        kv = getattr(self, "kv", None)  # absent while starting
+        return StepMessage(kv.take_changes() if kv else [], step, ping=ping,
+                           check=self.check and step is not None)
 
     def _send(self, message: StepMessage) -> None:
         if self.failed:

@@ -3,21 +3,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from vmkv.distributed.kv_replay import KVCall
 from vmkv.executor.plan import StepPlan
+from vmkv.kv.changes import KVChange
 
 
 @dataclass(frozen=True)
 class StepMessage:
-    """Rank 0's KV calls since the last message, then (optionally) a step to run with it.
+    """Rank 0's KV changes since the last message (vmkv/kv/changes.py), then (optionally) a
+    step to run with them.
 
     ``ping``: join a barrier (rank 0 checks the ranks while idle); ``check``: send a digest
-    of the KV manager's state back (``VMKV_TP_CHECK=1``)."""
+    of the KV manager's state back (``--tp-check``)."""
 
-    kv_calls: list[KVCall]
-    swapped_ids: list[str] = field(default_factory=list)
+    kv_changes: list[KVChange]
     step: StepPlan | None = None
     ping: bool = False
     check: bool = False

@@ -1,8 +1,9 @@
 """A tensor-parallel worker: ranks 1..N-1, each one process holding its shard and KV.
 
     join the groups ─▶ receive the engine config from rank 0 ─▶ Worker (same warm-up)
-    loop: receive StepMessage ─▶ replay the KV calls ─▶ the worker's runner runs the step's
-          forward (its all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
+    loop: receive StepMessage ─▶ apply rank 0's KV changes (decide nothing) ─▶ the worker's
+          runner runs the step's forward (its all-reduces meet rank 0's) ─▶
+          [barrier | send a KV digest]
     until Stop, or until rank 0's connection breaks (then it exits with an error)
 
 Started by the engine (:class:`~vmkv.distributed.executor.TensorParallelExecutor`, spawn) or,
@@ -61,7 +62,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         gather_messages,
         init_tensor_parallel,
     )
-    from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
+    from vmkv.distributed.kv_checks import agree_vma_budget, kv_digest
     from vmkv.distributed.messages import StepMessage
     from vmkv.executor.worker import Worker
 
@@ -71,7 +72,6 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
     try:
         config = broadcast_message()
         worker = Worker(config, Path(config.model), rank=rank, device=device)
-        replayer = KVReplayer(worker.kv, rank)
         agree_vma_budget(worker.kv)  # ready: rank 0 waits for every shard
         logger.info("serving %s, KV: %s", worker.model.config.architecture,
                     worker.kv.describe())
@@ -84,7 +84,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
             if isinstance(message, Stop):
                 break
             assert isinstance(message, StepMessage)
-            replayer.apply(message.kv_calls, message.swapped_ids)
+            worker.kv.apply_changes(message.kv_changes)
             if message.step is not None:
                 worker.runner.forward(message.step)
             if message.ping:

@@ -10,6 +10,7 @@ and per-request addressing (slot ids or block tables).
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vmkv.kv.addressing import Addressing
+from vmkv.kv.changes import DropSwapped, KVChange, SwapOut
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
 from vmkv.memory.errors import VmmError
@@ -268,6 +270,47 @@ class KVCacheManager(ABC):
     @abstractmethod
     def request_ids(self) -> list[str]:
         """Requests currently holding memory."""
+
+    @abstractmethod
+    def units_of(self, request_id: str) -> list[int]:
+        """The physical units holding ``request_id``'s tokens: its block ids, or its slot's
+        pages in the first region (what must agree on every tensor-parallel rank)."""
+
+    # -- decisions as data (tensor parallelism; see vmkv.kv.changes) ---------------------------
+    #: the changes made since :meth:`take_changes`, while recording; None when not recording
+    changes: list[KVChange] | None = None
+
+    def record_changes(self) -> None:
+        """From now on, log every change this manager makes (rank 0 of tensor parallelism)."""
+        self.changes = []
+        # swapped-out requests whose saved KV the other ranks hold: dropped when rank 0's is
+        self._swapped_out: weakref.WeakValueDictionary[str, SwappedKV] = (
+            weakref.WeakValueDictionary())
+        self._swaps_held: set[str] = set()
+
+    def take_changes(self) -> list[KVChange]:
+        """The changes since the last take, in order (see :mod:`vmkv.kv.changes`)."""
+        changes, self.changes = self.changes or [], []
+        dropped = tuple(r for r in self._swaps_held if r not in self._swapped_out)
+        if dropped:
+            self._swaps_held.difference_update(dropped)
+            changes.append(DropSwapped(dropped))
+        return changes
+
+    @abstractmethod
+    def apply_changes(self, changes: Sequence[KVChange]) -> None:
+        """Make the changes another manager of the same geometry recorded, deciding nothing:
+        the same slots, pages or blocks, the same copies of this manager's own bytes."""
+
+    def _record(self, change: KVChange) -> None:
+        if self.changes is not None:
+            self.changes.append(change)
+
+    def _record_swap_out(self, swapped: SwappedKV, change: SwapOut) -> None:
+        if self.changes is not None:
+            self.changes.append(change)
+            self._swapped_out[change.request_id] = swapped
+            self._swaps_held.add(change.request_id)
 
     @staticmethod
     def _host_copy(t: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
