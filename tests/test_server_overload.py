@@ -217,7 +217,7 @@ def test_a_failing_model_step_ends_every_request_with_an_error() -> None:
     srv = start(engine)
     try:
         steps = {"n": 0}
-        execute = llm.runner.execute
+        execute = llm.executor.execute
 
         def failing(out: Any) -> Any:  # the model breaks a few steps in (a device error)
             steps["n"] += 1
@@ -225,7 +225,7 @@ def test_a_failing_model_step_ends_every_request_with_an_error() -> None:
                 raise RuntimeError("simulated device failure")
             return execute(out)
 
-        llm.runner.execute = failing
+        llm.executor.execute = failing
         body = {"prompt": "Go on:", "max_tokens": 100, "ignore_eos": True}
         results = run_all(lambda c: [complete(c, srv.url, {**body, "stream": i < 2})
                                      for i in range(4)])
