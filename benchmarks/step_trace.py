@@ -34,24 +34,13 @@ def run(engine: LLMEngine, rows: list[BenchRequest], tag: str) -> tuple[float, l
     for i, row in enumerate(rows):
         engine.add_request(f"{tag}{i}", row.prompt_token_ids, SamplingParams(
             temperature=0.0, max_tokens=row.output_len, ignore_eos=True))
-    schedule, seen = engine.scheduler.schedule, []
-
-    def recording_schedule():  # type: ignore[no-untyped-def]
-        out = schedule()
-        seen.append(out)
-        return out
-
-    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     steps: list[Step] = []
     start = time.perf_counter()
-    try:
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            engine.step()
-            out = seen[-1]
-            steps.append((len(out.scheduled), out.total_tokens, (time.perf_counter() - t) * 1e3))
-    finally:
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        stats = engine.last_step  # what the step scheduled (public stats, not a wrapper)
+        steps.append((stats.num_seqs, stats.num_tokens, (time.perf_counter() - t) * 1e3))
     return time.perf_counter() - start, steps
 
 
@@ -72,8 +61,8 @@ def main() -> None:
     for seqs, _, ms in decode:
         buckets[(seqs + 7) // 8 * 8].append(ms)
     summary = {
-        "kv_mode": args.kv_mode, "compiled": engine.compiled,
-        "fused_layers": engine.fused is not None, "seconds": seconds,
+        "kv_mode": args.kv_mode, "compiled": engine.executor.worker.compiled,
+        "fused_layers": engine.executor.worker.fused is not None, "seconds": seconds,
         "output_tokens_per_s": out_tokens / seconds, "steps": len(steps),
         "prefill_steps": len(prefill), "prefill_s": sum(s[2] for s in prefill) / 1e3,
         "prefill_tokens": sum(s[1] for s in prefill),

@@ -31,10 +31,10 @@ from vmkv.engine.async_engine import EngineDeadError
 from vmkv.engine.front import ServingEngine
 from vmkv.engine.front import Stream as RequestStream
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.outputs import OutputAccumulator, RequestOutput
 from vmkv.kernels import cpu_kernels
 from vmkv.models.default_model import DEFAULT_MODEL, is_default_name
-from vmkv.sampling_params import SamplingParams
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 from vmkv.server import responses as R
 from vmkv.server.auth import ApiKey
 from vmkv.server.errors import RETRY_AFTER, APIError, error_response, install_error_handlers
@@ -235,9 +235,10 @@ class _Api:
     # -- submit / collect ---------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                      cache_salt: str | None) -> list[RequestStream]:
-        """Queue one engine request per prompt, all or none."""
+        """Queue one engine request per prompt, all or none; their streams yield deltas."""
         if self.lifecycle.aborting:  # past the shutdown deadline: nothing new starts
             raise APIError(503, "the server is shutting down", headers=RETRY_AFTER)
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -270,9 +271,13 @@ class _Api:
 
     async def merged(self, streams: list[RequestStream], started: float
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several streams as they come, with latency metrics observed."""
-        queue: asyncio.Queue = asyncio.Queue()
-        last: dict[int, tuple[float, int]] = {}
+        """Deltas of several streams as they come, with latency metrics observed.
+
+        Bounded: a consumer that stops (a client that stops reading) leaves at most one delta
+        per stream here; the streams merge what comes meanwhile (vmkv/engine/async_engine.py).
+        """
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+        last: dict[int, tuple[float | None, int]] = {}
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
@@ -304,10 +309,10 @@ class _Api:
                 s.abort()
 
     def _observe(self, i: int, out: RequestOutput, started: float,
-                 last: dict[int, tuple[float, int]]) -> None:
+                 last: dict[int, tuple[float | None, int]]) -> None:
         now = time.monotonic()
-        tokens = sum(len(c.token_ids) for c in out.outputs)
         prev_time, prev_tokens = last.get(i, (None, 0))
+        tokens = prev_tokens + sum(len(c.token_ids) for c in out.outputs)
         if prev_time is None and tokens:
             self.metrics.ttft.observe(now - started)
         elif prev_time is not None and tokens > prev_tokens:
@@ -321,13 +326,16 @@ class _Api:
 
     async def collect(self, raw: Request, streams: list[RequestStream], started: float
                       ) -> list[RequestOutput]:
-        """Final outputs; a client that disconnects meanwhile aborts the requests."""
+        """Final outputs (the deltas added up); a client that disconnects meanwhile aborts
+        the requests."""
+        sums = [OutputAccumulator() for _ in streams]
         final: list[RequestOutput | None] = [None] * len(streams)
 
         async def run() -> None:
             async for i, out in self.merged(streams, started):
+                sums[i].add(out)
                 if out.finished:
-                    final[i] = out
+                    final[i] = sums[i].take()
 
         task = asyncio.create_task(run())
         while not task.done():
@@ -353,9 +361,10 @@ class _Api:
                                       prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
                                       structured_outputs=await prepare_structure(self.front, body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        # before submitting: a busy decode pool must not leave submitted requests running
+        echo = [await self.workers.decode(p) if body.echo else "" for p in prompts]
         streams = await self.submit(request_id, prompts, params, body.cache_salt)
         model, n = self.config.served_model_name, body.n
-        echo = [await self.workers.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(
                 R.ending_with_errors(self._stream_completion(
@@ -392,33 +401,31 @@ class _Api:
                                  echo: list[str], body: CompletionRequest, prompt_tokens: int
                                  ) -> AsyncIterator[str]:
         base = R.envelope(request_id, "text_completion", model)
-        trackers: dict[int, R.ChoiceTracker] = {}
+        text_offsets: dict[int, int] = {}  # per choice: characters streamed so far
+        prompts: dict[int, RequestOutput] = {}  # per prompt: its first delta (echo's logprobs)
         completion_tokens = cached = 0
         async for i, out in self.merged(streams, started):
+            prompts.setdefault(i, out)
             for c in out.outputs:
                 index = i * n + c.index
-                tracker = trackers.get(index)
-                if tracker is None:
-                    tracker = trackers[index] = R.ChoiceTracker(text_offset=len(echo[i]))
+                if index not in text_offsets:
+                    text_offsets[index] = len(echo[i])
                     if echo[i]:
-                        lp = (await asyncio.to_thread(echo_logprobs, self.token_text, out,
-                                                      None, body.logprobs)
+                        lp = (await asyncio.to_thread(echo_logprobs, self.token_text,
+                                                      prompts[i], None, body.logprobs)
                               if body.logprobs is not None else None)
                         yield R.sse({**base, "choices": [{"index": index, "text": echo[i],
                                                           "logprobs": lp,
                                                           "finish_reason": None}]})
-                d = tracker.delta(c)
-                if d is None:
-                    continue
-                completion_tokens += len(d.token_ids)
+                completion_tokens += len(c.token_ids)
                 lp = None
                 if body.logprobs is not None:
-                    lp = R.completion_logprobs(self.token_text, d.token_ids, d.logprobs,
-                                               tracker.text_offset, body.logprobs)
-                tracker.text_offset += len(d.text)
+                    lp = R.completion_logprobs(self.token_text, c.token_ids, c.logprobs or [],
+                                               text_offsets[index], body.logprobs)
+                text_offsets[index] += len(c.text)
                 yield R.sse({**base, "choices": [{
-                    "index": index, "text": d.text, "logprobs": lp,
-                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+                    "index": index, "text": c.text, "logprobs": lp,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
             if out.finished:
                 cached += out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:
@@ -466,7 +473,6 @@ class _Api:
                            started: float, body: ChatCompletionRequest, prompt_tokens: int,
                            plan: ToolPlan) -> AsyncIterator[str]:
         base = R.envelope(request_id, "chat.completion.chunk", model)
-        trackers: dict[int, R.ChoiceTracker] = {}
         shapers = {index: plan.stream() for index in range(body.n)}
         completion_tokens = cached = 0
         for index in range(body.n):  # the role comes first, once per choice
@@ -475,16 +481,12 @@ class _Api:
                                               "logprobs": None, "finish_reason": None}]})
         async for _, out in self.merged(streams, started):
             for c in out.outputs:
-                tracker = trackers.setdefault(c.index, R.ChoiceTracker())
-                d = tracker.delta(c)
-                if d is None:
-                    continue
-                completion_tokens += len(d.token_ids)
+                completion_tokens += len(c.token_ids)
                 lp = None
                 if body.logprobs:
-                    lp = R.chat_logprobs(self.token_text, d.token_ids, d.logprobs,
+                    lp = R.chat_logprobs(self.token_text, c.token_ids, c.logprobs or [],
                                          body.top_logprobs or 0)
-                deltas, finish_reason = shapers[c.index].feed(d.text, d.finish_reason)
+                deltas, finish_reason = shapers[c.index].feed(c.text, c.finish_reason)
                 if not deltas and (lp is not None or finish_reason is not None):
                     deltas = [{}]
                 for k, delta in enumerate(deltas):
@@ -492,7 +494,7 @@ class _Api:
                     yield R.sse({**base, "choices": [{
                         "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
                         "finish_reason": finish_reason if last else None,
-                        "stop_reason": d.stop_reason if last else None}]})
+                        "stop_reason": c.stop_reason if last else None}]})
             if out.finished:
                 cached = out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:

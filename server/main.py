@@ -26,12 +26,12 @@ def start_engine(config: EngineConfig) -> tuple[ServingEngine, Callable[[], None
 
         replicas = DataParallelEngine(config)
         return replicas, replicas.shutdown
-    llm = LLMEngine(config)
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(LLMEngine(config))
 
     def close() -> None:
-        engine.shutdown()
-        llm.close()  # every page and the pool's memory back to the OS
+        # the engine thread closes the engine as it ends (every page and the pool's memory
+        # back to the OS): never under a step it is still running
+        engine.shutdown(close_engine=True)
 
     return engine, close
 

@@ -7,11 +7,9 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from vmkv.engine.async_engine import EngineDeadError
-from vmkv.engine.outputs import CompletionOutput
 from vmkv.server.errors import APIError, error_body
 
 logger = logging.getLogger("vmkv.server")
@@ -106,38 +104,3 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int],
                               "bytes": list(token_text(t).encode())} for t, lp in top],
         })
     return {"content": content}
-
-
-@dataclass
-class ChoiceDelta:
-    """What one output added since the last chunk."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]]
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class ChoiceTracker:
-    """Remembers what was already streamed for one choice; outputs are cumulative."""
-
-    sent_text: int = 0
-    sent_tokens: int = 0
-    finished: bool = False
-    text_offset: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def delta(self, out: CompletionOutput) -> ChoiceDelta | None:
-        if self.finished:
-            return None
-        text = out.text[self.sent_text :]
-        new_ids = out.token_ids[self.sent_tokens :]
-        lps = (out.logprobs or [])[self.sent_tokens :]
-        if not text and not new_ids and out.finish_reason is None:
-            return None
-        self.sent_text = len(out.text)
-        self.sent_tokens = len(out.token_ids)
-        self.finished = out.finish_reason is not None
-        return ChoiceDelta(text, new_ids, lps, out.finish_reason, out.stop_reason)

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.kv_store import store_index_copy, store_triton
-from vmkv.engine.cuda_graphs import DecodeGraphRunner
+from vmkv.executor.cuda_graphs import DecodeGraphRunner
 from vmkv.kernels.launch import launch_through
 from vmkv.kv import PagedKVCache, VirtualKVCache
 from vmkv.memory import PagePool

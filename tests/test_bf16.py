@@ -192,13 +192,11 @@ def test_virtual_and_paged_give_the_same_bf16_tokens(default_model: Path) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = {}
     for mode in ("virtual", "paged"):
-        llm = LLM(kv_mode=mode, dtype="bfloat16", max_num_batched_tokens=128)
-        try:
-            assert llm.engine.dtype == BF16 and llm.engine.fused is not None
+        with LLM(kv_mode=mode, dtype="bfloat16", max_num_batched_tokens=128) as llm:
+            executor = llm.engine.executor
+            assert executor.dtype == BF16 and executor.worker.fused is not None
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                       use_tqdm=False)]
-        finally:
-            llm.engine.close()
     assert outs["virtual"] == outs["paged"]
     assert all(len(t) == 48 for t in outs["virtual"])
 

@@ -31,7 +31,7 @@ from graph_scenarios import (
 from skip_policy import cpu_only
 from triton_required import needs_triton
 
-from vmkv.engine.cuda_graphs import (
+from vmkv.executor.cuda_graphs import (
     DecodeGraphRunner,
     default_batch_sizes,
     maybe_create_graph_runner,

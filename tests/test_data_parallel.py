@@ -29,6 +29,7 @@ from vmkv.config import EngineConfig
 from vmkv.distributed.worker import rank_device
 from vmkv.engine.async_engine import EngineDeadError
 from vmkv.engine.data_parallel import DataParallelEngine
+from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.router import PREFIX_KEY_TOKENS, Router, prefix_key
 from vmkv.engine.snapshot import Snapshot, combine
 from vmkv.process_tuning import available_cores, replica_threads
@@ -191,6 +192,37 @@ def test_metrics_are_labelled_per_replica_with_their_sum(dp_srv: Running) -> Non
     capacity = replica_samples(dp_srv.url, "vmkv:kv_capacity_bytes")
     assert capacity["all"] == capacity["0"] + capacity["1"] == 2 * capacity["0"] > 0
     assert httpx.get(f"{dp_srv.url}/health").status_code == 200
+
+
+def grammar_compiles(engine: LLMEngine) -> int:
+    """How many grammars a replica compiled (a module-level function: it travels pickled)."""
+    return engine.grammars.stats.misses
+
+
+def test_each_grammar_is_compiled_once_by_the_replica_that_runs_it(
+        dp_srv: Running, dp_client: openai.OpenAI) -> None:
+    """The server of replicas compiles no grammar itself: the replica running the request
+    compiles it (on a helper thread while it steps), once, and refuses what xgrammar cannot
+    compile with a 400 all the same."""
+    loop = dp_srv.server.servers[0].get_loop()
+
+    def compiles() -> int:
+        replicas = asyncio.run_coroutine_threadsafe(
+            dp_srv.engine.call_all(grammar_compiles), loop).result(60)
+        return sum(replicas)
+
+    before = compiles()
+    body = {"model": MODEL, "prompt": "Pick a colour:", "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}
+    for _ in range(3):  # the same prompt: the router keeps it on one replica
+        r = httpx.post(f"{dp_srv.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("red", "green",
+                                                                          "blue")
+    assert compiles() == before + 1
+    bad = httpx.post(f"{dp_srv.url}/v1/completions", timeout=120, json={
+        **body, "structured_outputs": {"regex": "(unclosed"}})
+    assert bad.status_code == 400 and "structured_outputs.regex" in bad.json()["error"][
+        "message"]
 
 
 def test_bad_input_is_refused_clearly_over_the_pipe(dp_srv: Running) -> None:

@@ -60,8 +60,9 @@ def assert_nothing_held(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def alone() -> dict[str, list[int]]:
     """Each prompt run on its own (the reference for batch invariance)."""
-    llm = make_llm("virtual")
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    with make_llm("virtual") as llm:
+        return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+                for p in PROMPTS}
 
 
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
@@ -216,7 +217,8 @@ def test_a_cpu_engine_creates_pages_in_chunks_and_maps_ahead() -> None:
     assert kv.pool.num_created == create.pages
     assert_nothing_held(llm.engine)
     # --precreate-pages: the whole budget in one fallocate at start-up, none later
-    kv = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=True).engine.kv
+    precreated = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=True)
+    kv = precreated.engine.kv
     assert kv.pool.num_created == kv.pool.num_pages
     assert kv.backend.stats.ops["create"].calls == 1
 
@@ -229,13 +231,14 @@ def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch
     require_mkl()
     fused = {mode: make_llm(mode, linear_backend="mkl") for mode in ("virtual", "paged")}
     for llm in fused.values():
-        assert llm.engine.fused is not None and not llm.engine.compiled
+        worker = llm.engine.executor.worker
+        assert worker.fused is not None and not worker.compiled
         assert llm.engine.startup_report()[-1] == (
             "decoder layers fused (C++ calls around the attention)")
-    assert make_llm("paged", linear_backend="torch").engine.fused is None
+    assert make_llm("paged", linear_backend="torch").engine.executor.worker.fused is None
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")
     modules = make_llm("virtual", linear_backend="mkl")
-    assert modules.engine.fused is None
+    assert modules.engine.executor.worker.fused is None
     want = [o.outputs[0].token_ids for o in modules.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for llm in fused.values():
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -249,14 +252,14 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     through the real KV cache, freed again) unless told not to; the tokens do not change."""
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")  # else the layers run fused, not compiled
     eager = make_llm("virtual")
-    assert not eager.engine.compiled and eager.engine.startup_report()[-1] == (
+    assert not eager.engine.executor.worker.compiled and eager.engine.startup_report()[-1] == (
         "model runs eagerly")
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("VMKV_COMPILE", "1")
     from torch._dynamo.utils import counters
     counters.clear()
     llm = make_llm("virtual")
-    assert llm.engine.compiled
+    assert llm.engine.executor.worker.compiled
     assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
     assert_nothing_held(llm.engine)  # the warm-up request is gone
     # warm-up traced at most one graph (none if an earlier engine in this process left one)
@@ -267,4 +270,4 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == want[0]  # one request: steps of 1 token
     assert counters["stats"]["unique_graphs"] == warm_up_graphs  # that graph serves every T
-    assert not make_llm("paged", enforce_eager=True).engine.compiled
+    assert not make_llm("paged", enforce_eager=True).engine.executor.worker.compiled

@@ -1,6 +1,7 @@
-"""The import rules of docs/ARCHITECTURE.md, read from the source: vmkv/ never imports the server
-(except `vmkv serve`, lazily), the server imports itself as vmkv.server, and vmkv.bench does not
-import the CLI that drives it."""
+"""The import rules of docs/ARCHITECTURE.md, read from the source: the layer order (each layer
+imports only the layers below it and the leaves), no import circle among vmkv's modules, vmkv/
+never imports the server (except `vmkv serve`, lazily), the server imports itself as
+vmkv.server, and vmkv.bench does not import the CLI that drives it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,25 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: vmkv's layers, top first (docs/ARCHITECTURE.md): a module imports the layers below its own,
+#: modules of its own layer, and the leaves; never a layer above
+LAYERS: list[tuple[str, ...]] = [
+    ("vmkv.cli",),
+    ("vmkv.bench",),
+    ("vmkv.server",),
+    ("vmkv.llm", "vmkv.engine"),
+    ("vmkv.executor", "vmkv.distributed"),
+    ("vmkv.models",),
+    ("vmkv.attention", "vmkv.sampling", "vmkv.structured"),
+    ("vmkv.kv",),
+    ("vmkv.memory", "vmkv.kernels"),
+]
+#: modules every layer may import; they import only each other (no torch-free module may pull
+#: a layer in, and collectives stay a leaf under the model and the executor alike)
+LEAVES = ("vmkv", "vmkv.config", "vmkv.config_args", "vmkv.envs", "vmkv.sampling_params",
+          "vmkv.commands", "vmkv.parent_death", "vmkv.process_tuning", "vmkv.chat_template",
+          "vmkv.structured.params", "vmkv.distributed.collectives")
 
 
 def _imports(path: Path) -> list[tuple[str, str | None]]:
@@ -26,6 +46,107 @@ def _imports(path: Path) -> list[tuple[str, str | None]]:
 
     visit(ast.parse(path.read_text()), None)
     return found
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "server":
+        parts = ["vmkv", *parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """vmkv's modules (the server's as vmkv.server.*) -> the vmkv modules each one imports
+    when it runs (module level or inside a function; not under TYPE_CHECKING)."""
+    files = {_module_name(p): p for p in [*_package_files("vmkv"), *_package_files("server")]}
+    return {module: _runtime_imports(path, files) - {module} for module, path in files.items()}
+
+
+def _runtime_imports(path: Path, files: dict[str, Path]) -> set[str]:
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(path.read_text())]
+    while todo:
+        for child in ast.iter_child_nodes(todo.pop()):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(m for a in child.names if (m := resolve(a.name)))
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                subs = {f"{child.module}.{a.name}" for a in child.names} & files.keys()
+                found.update(subs)
+                if len(subs) < len(child.names) and (m := resolve(child.module)):
+                    found.add(m)
+            todo.append(child)
+    return found
+
+
+def _layer(module: str) -> int | None:
+    """The index of ``module``'s layer in LAYERS (0: top), None for a leaf."""
+    if module in LEAVES:
+        return None
+    for i, layer in enumerate(LAYERS):
+        if any(_is(module, name) for name in layer):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS and not a leaf: place it")
+
+
+def test_every_module_imports_only_the_layers_below_it_and_the_leaves() -> None:
+    upward = []
+    for module, imported in _module_graph().items():
+        mine = _layer(module)
+        for target in imported:
+            theirs = _layer(target)
+            if module == "vmkv" and target == "vmkv.llm":
+                continue  # the package's lazy `vmkv.LLM`
+            if mine is None and theirs is not None or (
+                    mine is not None and theirs is not None and theirs < mine):
+                upward.append(f"{module} -> {target}")
+    assert sorted(upward) == [], "imports against the layer order"
+
+
+def test_the_engine_reaches_memory_only_through_the_kv_contract() -> None:
+    uses = [f"{module} -> {target}" for module, imported in _module_graph().items()
+            if _is(module, "vmkv.engine") or module == "vmkv.llm"
+            for target in imported if _is(target, "vmkv.memory")]
+    assert uses == []
+
+
+def test_no_import_circle_among_modules() -> None:
+    graph = _module_graph()
+    graph["vmkv"] = set()  # the package only re-exports lazily (`vmkv.LLM`)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def strongly_connected(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                strongly_connected(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            strongly_connected(v)
+    assert circles == []
 
 
 def _package_files(folder: str) -> list[Path]:

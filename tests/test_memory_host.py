@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmkv.memory import MappingBudgetExceeded, PagePool, VirtualRegion
-from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import VmmError
 from vmkv.memory.host import OS_PAGE, HostMemoryBackend, current_vma_count
 
 PAGE = 64 * 1024

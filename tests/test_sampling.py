@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from vmkv.sampling import Sampler, SamplingState
 from vmkv.sampling.penalties import apply_min_tokens, apply_penalties
 from vmkv.sampling.truncation import apply_min_p, apply_top_k, apply_top_p
-from vmkv.sampling_params import MAX_LOGPROBS, SamplingParams
+from vmkv.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 NEG_INF = float("-inf")
 
@@ -40,7 +40,7 @@ def test_defaults_are_vllms() -> None:
         min_tokens=0, stop=(), stop_token_ids=(), ignore_eos=False, logprobs=None,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
         include_stop_str_in_output=False, skip_special_tokens=True, prompt_logprobs=None,
-        structured_outputs=None,
+        structured_outputs=None, output_kind=RequestOutputKind.CUMULATIVE,
     )  # fmt: skip
     assert dataclasses.asdict(p) == expected
     assert not p.is_greedy

@@ -23,6 +23,7 @@ from test_server import Running, start, wait_idle
 from vmkv.config import EngineConfig
 from vmkv.engine.async_engine import AsyncEngine
 from vmkv.engine.llm_engine import LLMEngine
+from vmkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("default_model")
 T = TypeVar("T")
@@ -96,6 +97,32 @@ def two_seqs() -> Iterator[AsyncEngine]:
     yield engine
     engine.shutdown()
     llm.close()
+
+
+def test_a_cancelled_add_aborts_the_request_it_queued(two_seqs: AsyncEngine) -> None:
+    """A caller cancelled while the engine queues its request (a client gone, a pool busy)
+    leaves nothing running: the request is aborted the moment it is queued."""
+    def finished(engine: LLMEngine) -> tuple[dict[str, int], list[str]]:
+        return dict(engine.counters.finished), list(engine.requests)
+
+    async def main() -> tuple[dict[str, int], dict[str, int], list[str]]:
+        before, _ = await two_seqs.call(finished)
+        gate = threading.Event()  # holds the engine thread until the add is cancelled
+        blocker = asyncio.ensure_future(two_seqs.call(lambda _: gate.wait(30)))
+        add = asyncio.ensure_future(two_seqs.add("cancelled", [1, 2, 3], SamplingParams(
+            max_tokens=200, ignore_eos=True)))
+        await asyncio.sleep(0.1)  # the Add waits in the engine's inbox
+        add.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+        await blocker
+        after, running = await two_seqs.call(finished)
+        return before, after, running
+
+    before, after, running = asyncio.run(main())
+    assert running == [] and after["abort"] == before["abort"] + 1
+    assert after["length"] == before["length"]  # it did not run to max_tokens
 
 
 def test_a_full_queue_answers_503_with_retry_after(two_seqs: AsyncEngine) -> None:
@@ -199,7 +226,7 @@ def test_a_failing_model_step_ends_every_request_with_an_error() -> None:
     srv = start(engine)
     try:
         steps = {"n": 0}
-        execute = llm.runner.execute
+        execute = llm.executor.execute
 
         def failing(out: Any) -> Any:  # the model breaks a few steps in (a device error)
             steps["n"] += 1
@@ -207,7 +234,7 @@ def test_a_failing_model_step_ends_every_request_with_an_error() -> None:
                 raise RuntimeError("simulated device failure")
             return execute(out)
 
-        llm.runner.execute = failing
+        llm.executor.execute = failing
         body = {"prompt": "Go on:", "max_tokens": 100, "ignore_eos": True}
         results = run_all(lambda c: [complete(c, srv.url, {**body, "stream": i < 2})
                                      for i in range(4)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -21,8 +22,9 @@ PERSON = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_model_len=384, max_num_seqs=16)
+def llm() -> Iterator[LLM]:
+    with LLM(max_model_len=384, max_num_seqs=16) as llm:
+        yield llm
 
 
 def chat(llm: LLM, text: str) -> list[int]:
@@ -82,12 +84,12 @@ def test_bad_constraints_are_value_errors_and_queue_nothing(llm: LLM) -> None:
 def test_grammars_are_compiled_once_per_params(llm: LLM) -> None:
     cache = llm.engine.grammars
     so = S(json={**PERSON, "title": "once"})
-    before = cache.compile.cache_info()
+    before = (cache.stats.misses, cache.stats.hits)
+    assert not cache.is_compiled(so)
     first, second = cache.compile(so), cache.compile(S(json=json.dumps({**PERSON,
                                                                         "title": "once"})))
-    after = cache.compile.cache_info()
-    assert first is second
-    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert first is second and cache.is_compiled(so)
+    assert (cache.stats.misses - before[0], cache.stats.hits - before[1]) == (1, 1)
 
 
 def test_every_kind_constrains_every_sample(llm: LLM) -> None:

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -19,7 +20,7 @@ from model_helpers import save_random_model
 
 from vmkv.config import CacheConfig, EngineConfig
 from vmkv.distributed.executor import TensorParallelError, free_port
-from vmkv.distributed.kv_replay import KVDivergedError, KVReplayer, RecordingKV, kv_digest
+from vmkv.distributed.kv_checks import kv_digest
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model_config, resolve_model
@@ -89,11 +90,31 @@ def test_shards_recompose_the_whole_projections(gqa_model: Path) -> None:
     assert shards[0][qkv].shape[0] == (cfg.q_size + 2 * cfg.kv_size) // 2
 
 
-# -- the KV replay -------------------------------------------------------------------------------
+# -- KV decisions as data ----------------------------------------------------------------------
+def _rows(kv, rid: str) -> torch.Tensor:  # noqa: ANN001
+    """Layer 0's K rows of ``rid``'s tokens, as the kernels address them."""
+    k, _ = kv.layer_kv(0)
+    n = kv.num_tokens(rid)
+    rows = kv.addressing([rid], [n]).rows(np.zeros(n, dtype=np.int64), np.arange(n))
+    return k.reshape(-1, *k.shape[2:])[torch.as_tensor(rows)] if k.is_contiguous() else \
+        k[torch.as_tensor(rows // k.shape[1]), torch.as_tensor(rows % k.shape[1])]
+
+
+def _write(kv, rid: str, start: int, end: int, salt: float) -> None:  # noqa: ANN001
+    """Mark ``rid``'s tokens ``start .. end - 1`` in layer 0's K (this rank's own bytes)."""
+    k, _ = kv.layer_kv(0)
+    rows = kv.addressing([rid], [start]).rows(np.zeros(end - start, dtype=np.int64),
+                                              np.arange(start, end))
+    values = torch.arange(start, end, dtype=k.dtype) + salt
+    k[torch.as_tensor(rows // k.shape[1]), torch.as_tensor(rows % k.shape[1])] = (
+        values.view(-1, 1, 1).expand(-1, *k.shape[2:]))
+
+
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
-def test_replayed_calls_keep_every_manager_identical(kv_mode: str) -> None:
-    """Allocations, forks, swaps, prefix hits, frees and resets recorded on one manager and
-    replayed on another leave both with the same rows, counts and free units at every step."""
+def test_applied_changes_keep_every_manager_identical(kv_mode: str) -> None:
+    """Allocations, forks (copy-on-write), swaps, prefix hits, evictions, frees and resets
+    decided by one manager and applied to another leave both with the same rows, the same
+    pages or blocks, and the same bytes at every step: the follower decides nothing."""
     spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=16)
     config = CacheConfig(kv_mode=kv_mode, kv_cache_memory=40 * 16 * spec.bytes_per_token,
                          page_size=4096, block_size=16, enable_prefix_caching=True)
@@ -101,72 +122,54 @@ def test_replayed_calls_keep_every_manager_identical(kv_mode: str) -> None:
     def manager():  # noqa: ANN202
         return create_kv_cache(config, spec, num_slots=6, max_model_len=256)
 
-    leader, follower = RecordingKV(manager()), manager()
-    replayer = KVReplayer(follower, rank=1)
+    leader, follower = manager(), manager()
+    leader.record_changes()
     prompt = list(range(100, 140))
     held = {}
 
+    def grow(rid: str, n: int, salt: float) -> None:
+        start = leader.num_tokens(rid)
+        assert leader.allocate(rid, n)
+        sync()
+        for kv in (leader, follower):  # each rank writes its own heads' K
+            _write(kv, rid, start, start + n, salt)
+
     def sync() -> None:
-        replayer.apply(leader.take_calls(), leader.swapped_ids())
+        follower.apply_changes(leader.take_changes())
         assert kv_digest(leader) == kv_digest(follower)
+        for rid in leader.request_ids():
+            assert torch.equal(_rows(leader, rid), _rows(follower, rid)), rid
 
     for i, rid in enumerate("abcd"):
         hit = leader.match_prefix(rid, prompt + [i], None)
-        assert leader.allocate(rid, 41 - hit)
+        grow(rid, 41 - hit, 1000.0 * i)
         leader.cache_computed(rid, prompt + [i], 41, None)
-        sync()
-    assert leader.fork("a", "a2") and leader.allocate("a2", 5)
+    assert leader.fork("a", "a2")
+    sync()
+    grow("a2", 5, 7000.0)  # the shared partial page or block is copied first
     held["b"] = leader.swap_out("b")
     sync()
-    assert set(replayer.swapped) == {"b"}
     leader.free("c")
-    assert leader.allocate("d", 30)
+    grow("d", 30, 9000.0)
     assert leader.swap_in("b", held.pop("b"))
     sync()
     held["d"] = leader.swap_out("d")
     del held["d"]  # the scheduler dropped it (an abort while swapped out)
     leader.reset_prefix_cache()
-    sync()
-    assert replayer.swapped == {}
+    changes = leader.take_changes()
+    assert any(type(c).__name__ == "DropSwapped" for c in changes)
+    follower.apply_changes(changes)
+    assert kv_digest(leader) == kv_digest(follower) and not follower._saved
     for rid in leader.request_ids():
         leader.free(rid)
     sync()
-    while follower.allocate(f"x{len(follower.request_ids())}", 100):  # a worker whose memory
-        pass                                                             # went elsewhere
-    assert leader.allocate("y", 100)
-    with pytest.raises(KVDivergedError, match="rank 1: KV allocate"):
-        replayer.apply(leader.take_calls(), [])
-    leader.close()
-    follower.close()
-
-
-def test_token_ids_travel_as_deltas() -> None:
-    """A sequence's growing token list is sent once, then only its new tokens; a freed
-    request (or another list under the same id) starts over."""
-    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16)
-    config = CacheConfig(kv_mode="paged", kv_cache_memory=64 * 16 * spec.bytes_per_token,
-                         block_size=16, enable_prefix_caching=True)
-    leader = RecordingKV(create_kv_cache(config, spec, num_slots=4, max_model_len=256))
-    follower = create_kv_cache(config, spec, num_slots=4, max_model_len=256)
-    replayer = KVReplayer(follower, rank=1)
-    tokens = list(range(100, 141))
-    assert leader.match_prefix("a", tokens, None) == 0
-    assert leader.allocate("a", 41)
-    leader.cache_computed("a", tokens, 41, None)
-    tokens.extend(range(300, 320))
-    assert leader.allocate("a", 20)
-    leader.cache_computed("a", tokens, 61, None)
-    calls = leader.take_calls()
-    deltas = [c.args[1] for c in calls if c.name in ("match_prefix", "cache_computed")]
-    assert [(d.start, len(d.tokens)) for d in deltas] == [(0, 41), (41, 0), (41, 20)]
-    replayer.apply(calls, [])
-    assert replayer.tokens["a"] == tokens and kv_digest(leader) == kv_digest(follower)
-    leader.free("a")
-    assert leader.match_prefix("a", list(tokens), None) == 48  # 3 cached blocks
-    calls = leader.take_calls()
-    assert calls[-1].args[1].start == 0
-    replayer.apply(calls, [])
-    assert kv_digest(leader) == kv_digest(follower)
+    if kv_mode == "virtual":  # a follower whose pages went elsewhere refuses, never chooses
+        pool = follower.pool
+        for part in range(pool.partitions):
+            assert pool.allocate(pool.num_free_in(part), None, part) is not None
+        assert leader.allocate("y", 250)
+        with pytest.raises(ValueError, match="which is not free"):
+            follower.apply_changes(leader.take_changes())
     leader.close()
     follower.close()
 
@@ -258,6 +261,35 @@ def test_default_model_on_three_ranks_equals_one(kv_mode: str, default_model: st
     assert outs[3] == outs[1]
 
 
+def test_a_deleted_tensor_parallel_llm_makes_room_for_the_next(gqa_model: Path) -> None:
+    """In one process: a 2-rank ``LLM``, deleted (never closed), then another, and one used in
+    ``with`` (closed on leaving): each gives the same tokens and leaves no rank behind."""
+    import gc
+    import weakref
+
+    from vmkv import LLM
+
+    config = _config(gqa_model, "paged", 2)
+    prompt = list(range(30, 50))
+    first = LLM.from_config(config)
+    want = first.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    workers = list(first.engine.executor.workers.values())
+    engine = weakref.ref(first.engine)
+    del first
+    gc.collect()  # (an engine is freed by reference counting already; this makes it certain)
+    assert engine() is None
+    assert all(w.wait(10) == 0 for w in workers)  # the ranks were told to stop, and did
+    second = LLM.from_config(config)
+    assert second.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    del second
+    with LLM.from_config(config) as third:
+        assert third.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        workers = list(third.engine.executor.workers.values())
+    assert all(w.poll() == 0 for w in workers)
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        third.generate(prompt, GREEDY, use_tqdm=False)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] not in ("Z", "X")
@@ -267,7 +299,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_killed_worker_fails_the_engine_fast_and_leaves_no_process(gqa_model: Path) -> None:
     engine = LLMEngine(_config(gqa_model, "virtual", 2))
-    workers = list(engine.tp.workers.values())
+    workers = list(engine.executor.workers.values())
     engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(workers[0].pid, signal.SIGKILL)
@@ -284,7 +316,7 @@ def test_a_hung_worker_fails_the_engine_after_the_timeout(gqa_model: Path) -> No
     """A stopped (SIGSTOP) worker: rank 0's next all-reduce gives up after
     ``distributed_timeout``; close() kills the worker without waiting for it."""
     engine = LLMEngine(_config(gqa_model, "paged", 2, distributed_timeout=3))
-    worker = next(iter(engine.tp.workers.values()))
+    worker = next(iter(engine.executor.workers.values()))
     engine.add_request("r", list(range(30, 60)), SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(worker.pid, signal.SIGSTOP)
@@ -346,14 +378,14 @@ def test_two_ranks_serve_the_openai_client_compiled(gqa_model: Path,
     server = serve(config)
     running = next(server)
     try:
-        assert running.engine.engine.compiled
+        assert running.engine.engine.executor.worker.compiled
         client = client_of(running)
         kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
                   "extra_body": {"ignore_eos": True}}
         assert client.completions.create(**kwargs).choices[0].text == expected
         chunks = client.completions.create(stream=True, **kwargs)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-        worker = next(iter(running.engine.engine.tp.workers.values()))
+        worker = next(iter(running.engine.engine.executor.workers.values()))
         os.kill(worker.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{running.url}/health").status_code == 200:

@@ -37,6 +37,8 @@ LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.li
 #: (cold runs of the vLLM workload: time in ``allocate`` 0.62 -> 0.35 s; docs/benchmarks.md)
 CPU_PREMAP_PAGES = 2
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
+#: CUDA attention kernels (vmkv.attention.kernel_choice)
+ATTENTION_BACKENDS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
@@ -55,7 +57,8 @@ class Option:
         minimum: the smallest allowed value of an int field.
         size: a size in bytes; the command line also takes 64K, 2M, 1G.
         flag: offered as ``--field-name`` (False: the commands add it their own way, or not).
-        env: the environment variable the command line's default comes from.
+        env: the environment variable the default comes from: the command line's (a
+            ServerConfig field), or, for an EngineConfig field left None, the config's own.
     """
 
     help: str
@@ -91,6 +94,22 @@ def check_options(config: Any) -> None:
         if opt.minimum is not None and value < opt.minimum:
             bound = "positive" if opt.minimum == 1 else f">= {opt.minimum}"
             raise ValueError(f"{f.name} must be {bound}, got {value}")
+
+
+def resolve_env_defaults(config: Any) -> None:
+    """Set every field of ``config`` left None whose Option names an environment variable to
+    the variable's value (a bool field: a switch, see :func:`vmkv.envs.switch`); ValueError
+    naming the variable when its value is not one of the field's choices."""
+    for f in fields(config):
+        opt = field_option(f)
+        if opt is None or opt.env is None or getattr(config, f.name) is not None:
+            continue
+        value: Any = (envs.switch(opt.env) if str(f.type).startswith("bool")
+                      else opt.env.get())
+        if opt.choices is not None and value not in opt.choices:
+            raise ValueError(f"{f.name} must be one of {opt.choices}, got {value!r} (from "
+                             f"${opt.env.name})")
+        object.__setattr__(config, f.name, value)
 
 
 def check_names(cls: type, names: Iterable[str], caller: str) -> None:
@@ -185,6 +204,23 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")
+    # switches whose default comes from the environment (None: read it at construction)
+    fused_layers: bool | None = option(
+        None, "CPU float32 engines with MKL linears run each decoder layer but its attention "
+        "as two C++ calls (csrc/cpu_decoder_layer.cpp) instead of torch modules; default: "
+        "$VMKV_FUSED_LAYERS, else on", env=envs.VMKV_FUSED_LAYERS)
+    compile_layers: bool | None = option(
+        None, "CPU engines compile their decoder layers with TorchInductor (unless fused or "
+        "--enforce-eager); default: $VMKV_COMPILE, else on", env=envs.VMKV_COMPILE)
+    attention_backend: str | None = option(
+        None, "CUDA attention kernel (docs/gpu.md); default: $VMKV_ATTENTION_BACKEND, else "
+        "auto", choices=ATTENTION_BACKENDS, env=envs.VMKV_ATTENTION_BACKEND)
+    background_mapper: bool | None = option(
+        None, "virtual mode on CUDA: map the next steps' pages on a thread while the GPU "
+        "computes; default: $VMKV_BACKGROUND_MAPPER, else on", env=envs.VMKV_BACKGROUND_MAPPER)
+    tp_check: bool | None = option(
+        None, "tensor parallelism's debug mode: every rank's KV manager is compared with rank "
+        "0's after every step; default: $VMKV_TP_CHECK, else off", env=envs.VMKV_TP_CHECK)
     seed: int = option(0, "seed of the shared generator for unseeded sampling")
     data_parallel_size: int = option(
         1, "independent engine replicas, each in its own process with its own KV cache, "
@@ -194,6 +230,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        resolve_env_defaults(self)
         check_options(self)
 
     @property
@@ -227,6 +264,14 @@ class EngineConfig:
         if self.premap_pages is None:
             shared["premap_pages"] = CPU_PREMAP_PAGES if self.device == "cpu" else 0
         return CacheConfig(**shared, precreate=self.device != "cpu" or self.precreate_pages)
+
+
+def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
+    """``config.max_model_len``, or the model's limit when unset; ValueError past the limit."""
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"limit ({model_limit})")
+    return config.max_model_len or model_limit
 
 
 def _engine_field(name: str) -> Any:

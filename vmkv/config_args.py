@@ -41,13 +41,14 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         opt = field_option(f)
         if opt is None or not opt.flag:
             continue
-        default = f.default if opt.env is None else opt.env.get()
+        kind = typing.get_args(hints[f.name]) or (hints[f.name],)
+        # an EngineConfig field left None reads its variable itself; a ServerConfig one here
+        default = f.default if opt.env is None or cls is EngineConfig else opt.env.get()
         help_text = opt.help.replace("%", "%%")  # argparse formats help with %
-        if hints[f.name] is bool:
+        if bool in kind:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
             continue
-        kind = typing.get_args(hints[f.name]) or (hints[f.name],)
         arg_type = (parse_size if opt.size else int if int in kind
                     else float if float in kind else str)
         parser.add_argument(flag_name(f.name), type=arg_type, choices=opt.choices,

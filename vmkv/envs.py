@@ -36,14 +36,15 @@ class EnvVar:
 
 VMKV_ATTENTION_BACKEND = EnvVar(
     "VMKV_ATTENTION_BACKEND", "auto",
-    "attention kernel on CUDA when none is passed: auto, flash, flash-attn, aten-flash, triton "
-    "or sdpa (docs/gpu.md)")
+    "default of `--attention-backend` (the CUDA attention kernel): auto, flash, flash-attn, "
+    "aten-flash, triton or sdpa (docs/gpu.md)")
 VMKV_CUDA_GRAPHS = EnvVar(
     "VMKV_CUDA_GRAPHS", "1", "capture decode steps as CUDA graphs (CUDA engines); 0: eager")
 VMKV_COMPILE = EnvVar(
     "VMKV_COMPILE", "1",
-    "CPU engines compile their decoder layers with TorchInductor (unless `--enforce-eager`); "
-    "0: every engine of the process runs eagerly (the test suite sets it)")
+    "default of `--compile-layers`: CPU engines compile their decoder layers with TorchInductor "
+    "(unless `--enforce-eager`); 0: engines built without the option run eagerly (the test "
+    "suite sets it)")
 VMKV_AUTO_DTYPE = EnvVar(
     "VMKV_AUTO_DTYPE", None,
     "what `--dtype auto` resolves to (float32 or bfloat16); unset: bfloat16 on CUDA and on CPUs "
@@ -51,13 +52,13 @@ VMKV_AUTO_DTYPE = EnvVar(
     "equality checks against float32 transformers hold on every machine)")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
-    "CPU engines (float32 with MKL linears, bfloat16 with brgemm ones) run each decoder layer "
-    "but its attention as two C++ calls (csrc/cpu_decoder_layer.cpp, cpu_bf16_layer.cpp) "
-    "instead of compiled torch modules; 0: off")
+    "default of `--fused-layers`: CPU engines (float32 with MKL linears, bfloat16 with brgemm "
+    "ones) run each decoder layer but its attention as two C++ calls "
+    "(csrc/cpu_decoder_layer.cpp, cpu_bf16_layer.cpp); 0: off")
 VMKV_BACKGROUND_MAPPER = EnvVar(
     "VMKV_BACKGROUND_MAPPER", "1",
-    "virtual mode on CUDA: map the next steps' pages on a thread while the GPU computes; 0: map "
-    "inline")
+    "default of `--background-mapper`: virtual mode on CUDA maps the next steps' pages on a "
+    "thread while the GPU computes; 0: map inline")
 VMKV_PROCESS_TUNING = EnvVar(
     "VMKV_PROCESS_TUNING", "1",
     "the CLI, `LLM` and the server tune the process (OpenMP defaults below, glibc malloc "
@@ -73,9 +74,9 @@ CUDA_HOME = EnvVar(
     "CUDA_HOME", "/usr/local/cuda", "where `nvcc` is looked for when it is not on PATH")
 VMKV_TP_CHECK = EnvVar(
     "VMKV_TP_CHECK", "0",
-    "tensor parallelism debug mode: after every step each rank sends rank 0 a digest of its KV "
-    "manager (slot ids or block tables, token counts, free pages/blocks); a difference fails "
-    "the engine")
+    "default of `--tp-check`, tensor parallelism's debug mode: after every step each rank "
+    "sends rank 0 a digest of its KV manager (slot ids or block tables, token counts, free "
+    "pages/blocks); a difference fails the engine")
 RANK = EnvVar("RANK", None, "`vmkv tp-worker`: this process's tensor-parallel rank (torchrun's "
               "convention)")
 WORLD_SIZE = EnvVar("WORLD_SIZE", None, "`vmkv tp-worker`: all ranks (= the engine's "
@@ -108,21 +109,13 @@ ALL: tuple[EnvVar, ...] = (
 _OFF = ("0", "false", "no", "off")
 
 
-def _switch(var: EnvVar) -> bool:
+def switch(var: EnvVar) -> bool:
+    """A switch's value: on unless set to 0, false, no or off."""
     return (var.get() or "").strip().lower() not in _OFF
 
 
-def attention_backend() -> str:
-    """``$VMKV_ATTENTION_BACKEND`` (not checked here: the attention code knows the names)."""
-    return VMKV_ATTENTION_BACKEND.get() or "auto"
-
-
 def cuda_graphs() -> bool:
-    return _switch(VMKV_CUDA_GRAPHS)
-
-
-def compile_enabled() -> bool:
-    return _switch(VMKV_COMPILE)
+    return switch(VMKV_CUDA_GRAPHS)
 
 
 def auto_dtype() -> str | None:
@@ -131,18 +124,6 @@ def auto_dtype() -> str | None:
     if value not in (None, "float32", "bfloat16"):
         raise ValueError(f"VMKV_AUTO_DTYPE must be float32 or bfloat16, got {value!r}")
     return value
-
-
-def fused_layers_enabled() -> bool:
-    return _switch(VMKV_FUSED_LAYERS)
-
-
-def background_mapper() -> bool:
-    return _switch(VMKV_BACKGROUND_MAPPER)
-
-
-def tp_check() -> bool:
-    return _switch(VMKV_TP_CHECK)
 
 
 def torchrun_rank() -> tuple[int, int, int]:
@@ -155,7 +136,7 @@ def torchrun_rank() -> tuple[int, int, int]:
 
 
 def process_tuning() -> bool:
-    return _switch(VMKV_PROCESS_TUNING)
+    return switch(VMKV_PROCESS_TUNING)
 
 
 def api_key() -> str | None:

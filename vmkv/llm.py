@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vmkv.chat_template import chat_token_ids
 from vmkv.config import EngineConfig, check_names
 from vmkv.engine.outputs import RequestOutput
 from vmkv.process_tuning import tune_process
-from vmkv.sampling_params import SamplingParams
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
@@ -32,6 +33,10 @@ class LLM:
 
     Construction tunes the process first (OpenMP defaults, glibc malloc; see
     vmkv/process_tuning.py, off with ``VMKV_PROCESS_TUNING=0``), then loads torch and the model.
+
+    :meth:`close` (or leaving ``with LLM(...) as llm:``) releases the KV memory and stops the
+    tensor-parallel ranks at once; an ``LLM`` nobody closes releases them when its engine is
+    garbage-collected (so ``del llm`` then a new tensor-parallel ``LLM`` works).
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -51,6 +56,16 @@ class LLM:
 
         self.engine: LLMEngine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Abort what runs, release the KV memory, stop the ranks (safe to call again)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:
@@ -77,6 +92,8 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]  # one whole output per request, at its end
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:

@@ -7,6 +7,7 @@ to, without writing them back.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,20 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by
 #: any realistic logit range, so a larger value (1e9) is a mistake, refused rather than obeyed
 MAX_TEMPERATURE = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine returns for a request after each step (vLLM's names and meaning).
+
+    CUMULATIVE: the whole output so far, every step (costs O(output) per step: for callers
+        that step :class:`~vmkv.engine.llm_engine.LLMEngine` themselves and read the texts).
+    DELTA: only what is new since the request's previous output (the server streams these).
+    FINAL_ONLY: nothing until the request finishes, then the whole output (``LLM.generate``).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,11 @@ class SamplingParams:
             k <= MAX_LOGPROBS (the first prompt token has no logprob: None).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (:class:`~vmkv.structured.StructuredOutputsParams`, or a dict of its fields).
+        output_kind: what each step returns (:class:`RequestOutputKind`); ``LLM.generate``
+            asks for FINAL_ONLY and the server for DELTA whatever is set here.
+
+    A sequence that ends on EOS or on one of ``stop_token_ids`` does not return that token's
+    text unless ``include_stop_str_in_output`` is set (its id is in ``token_ids`` either way).
     """
 
     n: int = 1
@@ -80,6 +100,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -91,6 +112,8 @@ class SamplingParams:
         elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or "
                              f"None, got {self.structured_outputs!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

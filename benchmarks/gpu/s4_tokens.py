@@ -103,7 +103,7 @@ def graph_greedy(model, kv, prompts) -> list[list[int]]:  # type: ignore[no-unty
     import torch
 
     from vmkv.attention import create_attention_backend
-    from vmkv.engine.cuda_graphs import DecodeGraphRunner
+    from vmkv.executor.cuda_graphs import DecodeGraphRunner
 
     attn = create_attention_backend(kv)
     runner = DecodeGraphRunner(model, attn, max_batch_size=8)
@@ -163,10 +163,11 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
               + ("cache hits" if expect_hits else "no whole unit, no hit"),
               (hits > 0) == expect_hits, cached_tokens=hits, unit_tokens=unit_tokens)
     info: dict[str, object] = {}
-    if engine.mapper is not None:
-        info["mapper"] = engine.mapper.stats.as_dict()
-    if engine.graphs is not None:
-        info["graph_replays"] = engine.graphs.num_replays
+    if engine.kv.mapper is not None:
+        info["mapper"] = engine.kv.mapper.stats.as_dict()
+    graphs = engine.executor.worker.runner.graphs
+    if graphs is not None:
+        info["graph_replays"] = graphs.num_replays
     res.record(f"engine_{mode}", info)
     engine.kv.check()
     llm.engine.close()

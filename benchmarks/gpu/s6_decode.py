@@ -56,7 +56,7 @@ def measure_point(kv, attn, model, mode: str, batch: int, ctx: int) -> dict:  # 
     as a CUDA graph, free the requests."""
     import torch
 
-    from vmkv.engine.cuda_graphs import DecodeGraphRunner
+    from vmkv.executor.cuda_graphs import DecodeGraphRunner
 
     rids = [f"{mode}-{batch}-{ctx}-{i}" for i in range(batch)]
     t_fill = time.monotonic()

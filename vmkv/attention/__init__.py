@@ -15,7 +15,7 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]
 
 
 def _cpu(kv: KVCacheManager, kernel: str | None) -> AttentionBackend:
-    if kernel is not None:
+    if kernel not in (None, "auto"):
         raise ValueError(f"kernel={kernel!r} selects a CUDA attention kernel; the KV cache is "
                          "on the CPU")
     from vmkv.attention.cpu import CpuAttentionBackend

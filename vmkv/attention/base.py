@@ -46,7 +46,7 @@ class AttentionBackend(ABC):
 
     #: short name shown in logs and benchmarks ("virtual-cpu", "paged-triton", ...)
     name: str
-    #: whether a decode step can be captured in a CUDA graph (see vmkv.engine.cuda_graphs)
+    #: whether a decode step can be captured in a CUDA graph (see vmkv.executor.cuda_graphs)
     supports_cuda_graphs: bool = False
 
     @abstractmethod

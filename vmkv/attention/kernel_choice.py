@@ -25,10 +25,11 @@ from types import ModuleType
 import torch
 
 from vmkv import envs
+from vmkv.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
+KERNELS = ATTENTION_BACKENDS
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 #: keyword arguments of aten._flash_attention_forward this code passes (present in 2.11+)
 ATEN_REQUIRED_KWARGS = frozenset({"scale", "seqused_k"})
@@ -37,7 +38,7 @@ FLASH_PAGED_BLOCK = 256  # FA2's paged KV needs block_size % 256 == 0
 
 def requested_kernel(kernel: str | None) -> str:
     """``kernel`` or ``$VMKV_ATTENTION_BACKEND`` or "auto"; ValueError for unknown names."""
-    name = kernel or envs.attention_backend()
+    name = kernel or envs.VMKV_ATTENTION_BACKEND.get() or "auto"
     if name not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {name!r}"
                          + ("" if kernel else f" (from ${envs.VMKV_ATTENTION_BACKEND.name})"))

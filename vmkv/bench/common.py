@@ -9,6 +9,8 @@ from typing import Any
 
 from vmkv.bench.workloads import BenchRequest, WorkloadSpec, describe, for_tokenizer
 
+NUM_HEADS = 9  # SmolLM2-135M query heads (3 KV heads, group of 3): the kernel benches' shape
+
 
 def workload_for_model(spec: WorkloadSpec, model: str | None, tokenizer: str | None = None
                        ) -> tuple[list[BenchRequest], dict[str, Any]]:

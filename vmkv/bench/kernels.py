@@ -30,13 +30,12 @@ from typing import Any
 import torch
 
 from vmkv.attention import create_attention_backend
-from vmkv.bench.common import progress_bar
+from vmkv.bench.common import NUM_HEADS, progress_bar
 from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.bench.timing import call_ms
 from vmkv.config import CacheConfig
 from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
 
-NUM_HEADS = 9  # SmolLM2-135M query heads (3 KV heads, group of 3)
 PHASES = ("decode", "decode-sdpa", "prefill")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vmkv.bench.kernels import NUM_HEADS
+from vmkv.bench.common import NUM_HEADS
 from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.bench.timing import call_ms
 

@@ -13,11 +13,14 @@ and each step's wall time is split into parts that add up to it exactly:
     kv_write       the backend's separate K/V write (on the CPU a step where every request
                    decodes has none: the decode kernel stores the new rows, inside attention)
     glue           the rest of the forward: embedding, norms, RoPE, activation, residual adds
-    sampler        logits -> token ids (and logprobs)
-    engine_python  the rest of the step: scheduler, KV manager, step metadata, outputs
+    sampler        logits -> token ids (and logprobs): the engine's own ``last_step.sample_ns``
+    engine_python  the rest of the step: scheduler, KV manager, step plan, fork, append,
+                   detokenise, stop checks and outputs
 
-Timing wraps each part's entry point for the measurement only (wall clock, ``perf_counter_ns``;
-the wrappers cost ~1 us per call). Compiled layers are measured too: their linears and their
+Timing wraps the model's and the attention backend's public entry points for the measurement
+only (wall clock, ``perf_counter_ns``; the wrappers cost ~1 us per call); the engine's parts
+come from its step stats (:class:`~vmkv.engine.llm_engine.StepStats`), never from wrapping it.
+Compiled layers are measured too: their linears and their
 attention are opaque calls the wrappers still see, and glue is what the fused code spends
 around them. Fused C++ layers (:mod:`vmkv.models.fused_layers`) count their GEMMs' time
 themselves while profiled (``clock_gettime`` around each GEMM); the rest of them is glue.
@@ -63,9 +66,10 @@ class StepTimer:
         self.flops: dict[str, int] = {"gemm": 0, "lm_head": 0}
         self._undo: list[Callable[[], None]] = []
         self._in_lm_head = False
-        model = engine.model
+        worker = engine.executor.worker  # rank 0: its model and attention backend
+        model = worker.model
         #: fused C++ layers (vmkv.models.fused_layers) time their own GEMMs
-        self.fused = engine.fused
+        self.fused = worker.fused
         if self.fused is not None:
             fused = self.fused
             fused.profile(True)
@@ -80,9 +84,8 @@ class StepTimer:
                         self._wrap(module, "forward", "gemm", gemm=True)
         self._wrap(model, "compute_logits", "lm_head", gemm=True)
         self._wrap(model, "forward", "forward")
-        self._wrap(engine.attn, "write_kv", "kv_write")
-        self._wrap(engine.attn, "forward", "attention_forward")  # the write and the attention
-        self._wrap(engine, "_sample", "sampler")
+        self._wrap(worker.attn, "write_kv", "kv_write")
+        self._wrap(worker.attn, "forward", "attention_forward")  # the write and the attention
 
     def _wrap(self, obj: Any, method: str, part: str, *, gemm: bool = False) -> None:
         """Time ``obj.method`` into ``part`` (a GEMM's FLOPs from its input and output
@@ -128,7 +131,7 @@ class StepTimer:
         inner = sum(ms.get(p, 0.0) for p in ("gemm", "attention", "kv_write"))
         parts = {p: ms.get(p, 0.0) for p in ("gemm", "lm_head", "attention", "kv_write")}
         parts["glue"] = ms.get("forward", 0.0) - inner
-        parts["sampler"] = ms.get("sampler", 0.0)
+        parts["sampler"] = self.engine.last_step.sample_ns / 1e6
         parts["engine_python"] = wall / 1e6 - ms.get("forward", 0.0) - parts["lm_head"] \
             - parts["sampler"]
         threads = torch.get_num_threads()
@@ -163,7 +166,7 @@ def machine_rates(linear_backend: str, dtype: torch.dtype = torch.float32) -> di
 def rooflines(engine: Any, phase: dict[str, Any], rates: dict[str, float]) -> dict[str, float]:
     """The time each part would take at this machine's rates (ms); engine Python has none."""
     cfg = engine.model_config
-    itemsize = torch.empty((), dtype=engine.dtype).element_size()
+    itemsize = torch.empty((), dtype=engine.executor.dtype).element_size()
     tokens, sampled = phase["new_tokens"], phase["sampled"]
     per_token_kv = 2 * cfg.num_layers * cfg.kv_size * itemsize
     attn_flops = 4 * cfg.q_size * cfg.num_layers * phase["attended_pairs"]
@@ -267,9 +270,10 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      max_model_len=max(config.max_model_len or 0, prefill_len + 8,
                                        2 * context + warmup + repeats + 8))
     engine = LLMEngine(config)
-    if not prefill_kernel and hasattr(engine.attn, "batched_prefill"):
-        engine.attn.batched_prefill = False
-    rates = machine_rates(config.linear_backend, engine.dtype)
+    attn = engine.executor.worker.attn
+    if not prefill_kernel and hasattr(attn, "batched_prefill"):
+        attn.batched_prefill = False
+    rates = machine_rates(config.linear_backend, engine.executor.dtype)
     rng = torch.Generator().manual_seed(0)
     timer = StepTimer(engine)
     try:
@@ -296,7 +300,8 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      "x_roofline": phase["step_ms"] / sum(roof.values())})
     engine.close()
     return {"bench": "profile", "rates": rates, "kv_mode": config.kv_mode,
-            "compiled": engine.compiled, "fused_layers": engine.fused is not None,
+            "compiled": engine.executor.worker.compiled,
+            "fused_layers": engine.executor.worker.fused is not None,
             "prefill_kernel": prefill_kernel, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "scenario": {"batch": batch, "context": context, "prefill_batch": prefill_batch,

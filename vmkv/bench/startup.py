@@ -50,7 +50,8 @@ engine.add_request("probe", [1] * 8, SamplingParams(temperature=0.0, max_tokens=
 while engine.has_unfinished_requests():
     engine.step()
 t["first_token"] = time.time()
-t["layers"] = ("fused" if engine.fused is not None else "compiled" if engine.compiled
+worker = engine.executor.worker
+t["layers"] = ("fused" if worker.fused is not None else "compiled" if worker.compiled
                else "eager")
 print("VMKV_STARTUP " + json.dumps(t))
 """

@@ -39,7 +39,7 @@ from vmkv.bench.common import progress_bar
 from vmkv.bench.workloads import BenchRequest
 from vmkv.config import EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.sampling_params import SamplingParams
+from vmkv.sampling_params import RequestOutputKind, SamplingParams
 from vmkv.structured import StructuredOutputsParams
 
 MAX_TRACE_POINTS = 400
@@ -62,9 +62,10 @@ BENCH_STRUCTURE = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitesp
 def params_for(output_len: int, structured: StructuredOutputsParams | None = None
                ) -> SamplingParams:
     """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine),
-    optionally constrained by ``structured``."""
+    optionally constrained by ``structured``; one output per request, at its end."""
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                          structured_outputs=structured)
+                          structured_outputs=structured,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:
@@ -84,11 +85,10 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, dict[str, float]]:
 
 
 def _op_totals(engine: LLMEngine) -> dict[str, dict[str, int]]:
-    backend = getattr(engine.kv, "backend", None)
-    if backend is None:  # paged mode maps nothing
-        return {}
-    return {op: {"calls": s.calls, "pages": s.pages, "total_ns": s.total_ns}
-            for op, s in backend.stats.ops.items() if op in MAP_OPS}
+    """The KV manager's mapping counters (empty in paged mode, which maps nothing)."""
+    return {op: {"calls": int(s["calls"]), "pages": int(s["pages"]),
+                 "total_ns": round(s["total_ms"] * 1e6)}
+            for op, s in engine.kv.memory_stats().items() if op in MAP_OPS}
 
 
 @dataclass

@@ -1,22 +1,28 @@
 """Rank 0's side of tensor parallelism: start the workers, send every step, notice failures.
 
     TensorParallelExecutor(config, model_path)     spawn ranks 1..local-1, join the groups,
-                                                   send them the config (they build shards)
-    kv = executor.record(shard.kv)                 the scheduler's KV: calls are recorded
-    with executor.step(inputs): model.forward(...) the workers replay the calls, then run
-                                                   the same forward (all-reduces meet)
+                                                   send them the config; build rank 0's
+                                                   Worker (they build theirs), wait for all
+    executor.kv                                    rank 0's KV manager, recording its changes
+    executor.execute(plan)                         the workers apply the changes, then run the
+                                                   same forward (all-reduces meet)
     executor.check_health()                        idle: workers alive? (a barrier every 5 s)
-    executor.close()                               CLOSE, join, kill what is left, leave groups
+    executor.close()                               Stop, join, kill what is left, leave groups
 
-The scheduler runs here only; see :mod:`vmkv.distributed.kv_replay` for why the workers'
-slot ids and block tables agree. A worker that dies breaks gloo's connections, so the next
-collective fails at once; one that hangs fails it after ``config.distributed_timeout``
-seconds. Either way the engine gets a :class:`TensorParallelError` naming the rank.
+It is an :class:`~vmkv.executor.base.Executor`: the engine drives it as it drives the
+single-rank :class:`~vmkv.executor.local.LocalExecutor`.
+
+The scheduler runs here only, and only rank 0's KV manager decides: the workers apply its
+changes (:mod:`vmkv.kv.changes`), the exact slots, pages and blocks it chose. A worker that
+dies breaks gloo's connections, so the next collective fails at once; one that hangs fails it
+after ``config.distributed_timeout`` seconds. Either way the engine gets a
+:class:`TensorParallelError` naming the rank.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import socket
 import subprocess
@@ -29,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vmkv import envs
+from vmkv.commands import Stop
 from vmkv.config import EngineConfig
 from vmkv.distributed.collectives import (
     barrier,
@@ -38,15 +44,13 @@ from vmkv.distributed.collectives import (
     gather_messages,
     init_tensor_parallel,
 )
-from vmkv.distributed.kv_replay import (
-    KVDivergedError,
-    RecordingKV,
-    agree_vma_budget,
-    kv_digest,
-)
-from vmkv.distributed.messages import CLOSE, StepInputs, StepMessage
+from vmkv.distributed.kv_checks import KVDivergedError, agree_vma_budget, kv_digest
+from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.worker import local_worker_command, rank_device
-from vmkv.kv.base import KVCacheManager
+from vmkv.executor.base import Executor
+from vmkv.executor.model_runner import StepOutput
+from vmkv.executor.plan import StepPlan
+from vmkv.executor.worker import Worker
 from vmkv.models.loader import load_model_config
 from vmkv.models.sharding import check_divisible
 
@@ -72,7 +76,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     """Rank 0 of ``config.tensor_parallel_size`` ranks (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
@@ -81,12 +85,13 @@ class TensorParallelExecutor:
         if local > size:
             raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
         check_divisible(load_model_config(model_path), size)  # before any process starts
+        if dist.is_initialized():  # an engine nobody closed and nothing holds: release it now
+            gc.collect()
         if dist.is_initialized():
             raise ValueError("this process already runs a tensor-parallel engine (or another "
                              "torch.distributed group): one per process; close it first")
         self.size = size
-        self.check = envs.tp_check()
-        self.kv: RecordingKV | None = None
+        self.check = bool(config.tp_check)
         self.closed = False
         self.failed = False  # a collective failed: the ranks are out of step for good
         self.timeout = float(config.distributed_timeout)
@@ -107,32 +112,50 @@ class TensorParallelExecutor:
             init_tensor_parallel(0, size, init_method, rank_device(config.device, 0),
                                  config.distributed_timeout)
             broadcast_message(replace(config, model=str(model_path)), STARTUP_TIMEOUT)
+            self.worker = Worker(config, model_path)  # the workers build theirs meanwhile
+            self._wait_ready()
         except BaseException:
             self.close(graceful=False)
             raise
+        # rank 0's manager decides; its changes reach every rank with the next step
+        self.kv = self.worker.kv
+        self.kv.record_changes()
+        self.model_config = self.worker.model_config
+        self.model_name = model_path.name
+        self.max_model_len = self.worker.max_model_len
+        self.dtype = self.worker.model.dtype
         atexit.register(self.close)  # an engine never closed still stops its workers
         logger.info("tensor parallel: %d ranks (%d on this machine, %d CPU threads each) at %s",
                     size, local, threads, init_method)
 
-    def wait_ready(self, kv: KVCacheManager) -> None:
+    def _wait_ready(self) -> None:
         """Wait until every rank has built its shard (warm-up included), at most
         STARTUP_TIMEOUT seconds, failing as soon as a local worker dies; the ranks' KV managers
         then share the smallest VMA budget (a per-process quantity that would otherwise let
         the same call succeed on one rank and fail on another)."""
         try:
-            agree_vma_budget(kv, STARTUP_TIMEOUT, self._raise_if_dead)
+            agree_vma_budget(self.worker.kv, STARTUP_TIMEOUT, self._raise_if_dead)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
-    def record(self, kv: KVCacheManager) -> RecordingKV:
-        """Wrap rank 0's manager: the calls made through the wrapper reach every rank."""
-        self.kv = RecordingKV(kv)
-        return self.kv
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Send the KV calls so far and ``plan``; rank 0's worker runs it meanwhile."""
+        with self._step(plan):
+            return self.worker.runner.execute(plan)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.worker.runner.compute_logits(hidden)
+
+    def describe(self) -> list[str]:
+        return [self.worker.describe(),
+                f"tensor parallel: {self.size} ranks; each holds the KV above for "
+                f"{self.worker.model.config.num_kv_heads} of the "
+                f"{self.model_config.num_kv_heads} KV heads"]
 
     @contextmanager
-    def step(self, inputs: StepInputs) -> Iterator[None]:
-        """Send the KV calls so far and ``inputs``; the body runs rank 0's forward."""
-        self._send(self._message(step=inputs))
+    def _step(self, plan: StepPlan) -> Iterator[None]:
+        """Send the KV calls so far and ``plan``; the body runs rank 0's forward."""
+        self._send(self._message(step=plan))
         try:
             yield
             if self.check:
@@ -162,12 +185,15 @@ class TensorParallelExecutor:
             return
         self.closed = True
         atexit.unregister(self.close)
+        worker = getattr(self, "worker", None)  # absent when start-up failed before it
+        if worker is not None:
+            worker.close()
         if not graceful or self.failed or self._dead_workers():  # nothing to finish: kill
             for worker in self.workers.values():
                 worker.kill()
         elif dist.is_initialized():
             try:
-                broadcast_message(CLOSE, self.timeout)
+                broadcast_message(Stop(), self.timeout)
             except RuntimeError as exc:
                 logger.warning("tensor parallel: could not tell the workers to stop: %s", exc)
         deadline = time.monotonic() + JOIN_TIMEOUT
@@ -182,10 +208,10 @@ class TensorParallelExecutor:
         torch.set_num_threads(self._threads_before)
 
     # -- inside ---------------------------------------------------------------------------------
-    def _message(self, *, step: StepInputs | None = None, ping: bool = False) -> StepMessage:
-        kv = self.kv
-        return StepMessage(kv.take_calls() if kv else [], kv.swapped_ids() if kv else [],
-                           step, ping=ping, check=self.check and step is not None)
+    def _message(self, *, step: StepPlan | None = None, ping: bool = False) -> StepMessage:
+        kv = getattr(self, "kv", None)  # absent while starting
+        return StepMessage(kv.take_changes() if kv else [], step, ping=ping,
+                           check=self.check and step is not None)
 
     def _send(self, message: StepMessage) -> None:
         if self.failed:
@@ -199,7 +225,6 @@ class TensorParallelExecutor:
         self._last_message = time.monotonic()
 
     def _compare_digests(self) -> None:
-        assert self.kv is not None
         digests = gather_messages(kv_digest(self.kv)) or []
         bad = [rank for rank, d in enumerate(digests) if d != digests[0]]
         if bad:

@@ -1,35 +1,23 @@
-"""What rank 0 sends the tensor-parallel workers, once per step (pickled over gloo)."""
+"""What rank 0 sends the tensor-parallel workers, once per step (pickled over gloo); a
+:class:`vmkv.commands.Stop` ends their loop."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from vmkv.distributed.kv_replay import KVCall
-
-#: the message that ends a worker's loop
-CLOSE = "close"
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One model step, flattened in request order (what ``ModelRunner.execute`` builds)."""
-
-    request_ids: list[str]
-    context_lens: list[int]
-    query_lens: list[int]
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
+from vmkv.executor.plan import StepPlan
+from vmkv.kv.changes import KVChange
 
 
 @dataclass(frozen=True)
 class StepMessage:
-    """Rank 0's KV calls since the last message, then (optionally) a step to run with it.
+    """Rank 0's KV changes since the last message (vmkv/kv/changes.py), then (optionally) a
+    step to run with them.
 
     ``ping``: join a barrier (rank 0 checks the ranks while idle); ``check``: send a digest
-    of the KV manager's state back (``VMKV_TP_CHECK=1``)."""
+    of the KV manager's state back (``--tp-check``)."""
 
-    kv_calls: list[KVCall]
-    swapped_ids: list[str] = field(default_factory=list)
-    step: StepInputs | None = None
+    kv_changes: list[KVChange]
+    step: StepPlan | None = None
     ping: bool = False
     check: bool = False

@@ -1,9 +1,10 @@
 """A tensor-parallel worker: ranks 1..N-1, each one process holding its shard and KV.
 
-    join the groups ─▶ receive the engine config from rank 0 ─▶ build_shard (same warm-up)
-    loop: receive StepMessage ─▶ replay the KV calls ─▶ run the step's forward (its
-          all-reduces meet rank 0's) ─▶ [barrier | send a KV digest]
-    until CLOSE, or until rank 0's connection breaks (then it exits with an error)
+    join the groups ─▶ receive the engine config from rank 0 ─▶ Worker (same warm-up)
+    loop: receive StepMessage ─▶ apply rank 0's KV changes (decide nothing) ─▶ the worker's
+          runner runs the step's forward (its all-reduces meet rank 0's) ─▶
+          [barrier | send a KV digest]
+    until Stop, or until rank 0's connection breaks (then it exits with an error)
 
 Started by the engine (:class:`~vmkv.distributed.executor.TensorParallelExecutor`, spawn) or,
 for ranks on other machines, by ``vmkv tp-worker`` (torchrun-style ``RANK``, ``WORLD_SIZE``,
@@ -12,17 +13,15 @@ for ranks on other machines, by ``vmkv tp-worker`` (torchrun-style ``RANK``, ``W
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-logger = logging.getLogger("vmkv")
+from vmkv.commands import Stop
+from vmkv.parent_death import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("vmkv")
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -46,11 +45,8 @@ def local_worker_command(rank: int, size: int, init_method: str, device: str,
 def main(argv: list[str]) -> None:
     """Entry point of a worker the engine started: it dies with the engine (SIGKILL on the
     parent's death, Linux), uses ``threads`` CPU threads, then serves ``rank``."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: close() ends them
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     rank, size, init_method, device, timeout, threads, parent = argv
-    if os.getppid() != int(parent):  # the engine died before the prctl took effect
-        raise SystemExit(1)
+    die_with_parent(int(parent))
     import torch
 
     torch.set_num_threads(int(threads))
@@ -58,9 +54,7 @@ def main(argv: list[str]) -> None:
 
 
 def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: float) -> None:
-    """Join the group as ``rank`` and serve rank 0's steps until it says CLOSE."""
-    import torch
-
+    """Join the group as ``rank`` and serve rank 0's steps until it says Stop."""
     from vmkv.distributed.collectives import (
         barrier,
         broadcast_message,
@@ -68,42 +62,36 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
         gather_messages,
         init_tensor_parallel,
     )
-    from vmkv.distributed.kv_replay import KVReplayer, agree_vma_budget, kv_digest
-    from vmkv.distributed.messages import CLOSE, StepMessage
-    from vmkv.engine.shard import build_shard
+    from vmkv.distributed.kv_checks import agree_vma_budget, kv_digest
+    from vmkv.distributed.messages import StepMessage
+    from vmkv.executor.worker import Worker
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s vmkv tp rank {rank} %(levelname)s %(message)s")
     init_tensor_parallel(rank, size, init_method, device, timeout)
     try:
         config = broadcast_message()
-        shard = build_shard(config, Path(config.model), rank=rank, device=device)
-        replayer = KVReplayer(shard.kv, rank)
-        agree_vma_budget(shard.kv)  # ready: rank 0 waits for every shard
-        logger.info("serving %s, KV: %s", shard.model.config.architecture, shard.kv.describe())
+        worker = Worker(config, Path(config.model), rank=rank, device=device)
+        agree_vma_budget(worker.kv)  # ready: rank 0 waits for every shard
+        logger.info("serving %s, KV: %s", worker.model.config.architecture,
+                    worker.kv.describe())
         while True:
             try:
                 message = broadcast_message()
             except RuntimeError as exc:  # rank 0 is gone: nothing is left to serve
                 logger.error("rank 0 went away (%s); exiting", str(exc).splitlines()[0])
                 raise SystemExit(1) from None
-            if message == CLOSE:
+            if isinstance(message, Stop):
                 break
             assert isinstance(message, StepMessage)
-            replayer.apply(message.kv_calls, message.swapped_ids)
-            step = message.step
-            if step is not None:
-                with torch.inference_mode():
-                    meta = shard.attn.prepare(step.request_ids, step.context_lens,
-                                              step.query_lens)
-                    ids = torch.tensor(step.input_ids, dtype=torch.int64, device=device)
-                    pos = torch.tensor(step.positions, dtype=torch.int64, device=device)
-                    shard.model.forward(ids, pos, shard.attn, meta)
+            worker.kv.apply_changes(message.kv_changes)
+            if message.step is not None:
+                worker.runner.forward(message.step)
             if message.ping:
                 barrier(None)
             if message.check:
-                gather_messages(kv_digest(shard.kv))
-        shard.kv.close()
+                gather_messages(kv_digest(worker.kv))
+        worker.close()
     finally:
         close_tensor_parallel()
 

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from vmkv.commands import Abort, AbortAll, Call
 from vmkv.config import EngineConfig
 from vmkv.distributed.worker import rank_device
 from vmkv.engine.async_engine import EngineDeadError, RequestStream
@@ -122,25 +123,25 @@ class DataParallelEngine:
         self._check_alive()
         for replica in self.replicas:
             if replica.owns(request_id):
-                replica._submit("abort", (request_id, reason))
+                replica._submit(Abort(request_id, reason))
                 return
 
     async def abort_all(self, reason: str | None = None) -> int:
         """Abort every request of every replica; returns how many there were."""
         self._check_alive()
-        counts = await asyncio.gather(*(r.call("abort_all", reason) for r in self.replicas))
+        counts = await asyncio.gather(*(r.call(AbortAll(reason)) for r in self.replicas))
         return sum(counts)
 
     async def call_all(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
         """``fn(engine)`` in every replica between its steps; one result per replica, in
         replica order. ``fn`` must be picklable (a module-level function)."""
         self._check_alive()
-        return list(await asyncio.gather(*(r.call("call", fn) for r in self.replicas)))
+        return list(await asyncio.gather(*(r.call(Call(fn)) for r in self.replicas)))
 
     async def call(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
         """``fn(engine)`` in one replica (:meth:`call_all` for every replica)."""
         self._check_alive()
-        return await self.replicas[replica].call("call", fn)
+        return await self.replicas[replica].call(Call(fn))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every replica (their engines close), then terminate or kill any left; open

@@ -15,13 +15,15 @@ which may be another process: they must be picklable (module-level functions or 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vmkv.config import EngineConfig
+from vmkv.config import EngineConfig, resolve_max_model_len
 from vmkv.sampling_params import SamplingParams
-from vmkv.structured.compiler import GrammarCompilerCache
+from vmkv.structured.compiler import GrammarCompilerCache, check_schema_supported
+from vmkv.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -29,14 +31,6 @@ if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.engine.outputs import RequestOutput
     from vmkv.models.config import ModelConfig
-
-
-def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
-    """``config.max_model_len``, or the model's limit when unset; ValueError past the limit."""
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                         f"limit ({model_limit})")
-    return config.max_model_len or model_limit
 
 
 def stop_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -56,14 +50,17 @@ class EngineFront:
         tokenizer: the HF tokenizer (requests are tokenised at the edge).
         max_model_len: longest prompt + output.
         vocab_size: width of the model's logits (token ids must be below it).
-        grammars: xgrammar compiler and cache, to refuse a bad schema before queueing.
+        grammars: ``grammars.compile(params)`` refuses a bad constraint (ValueError) before
+            it is queued: the engine's own compiler and cache (the engine thread then finds
+            the grammar compiled), or, in front of replicas, only the checks that need no
+            compile (:class:`ReplicaGrammars`).
     """
 
     config: EngineConfig
     tokenizer: Any
     max_model_len: int
     vocab_size: int
-    grammars: GrammarCompilerCache
+    grammars: GrammarCompilerCache | ReplicaGrammars
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFront:
@@ -73,18 +70,30 @@ class EngineFront:
 
     @classmethod
     def load(cls, config: EngineConfig) -> EngineFront:
-        """The front an engine built from ``config`` would have, reading only the model's
-        config and tokenizer (ValueError as the engine would raise for a bad model or
-        ``max_model_len``)."""
+        """The front of engines built from ``config`` in other processes (replicas), reading
+        only the model's config and tokenizer (ValueError as the engine would raise for a bad
+        model or ``max_model_len``)."""
         from vmkv.models import load_model_config, load_tokenizer, resolve_model
 
         path = resolve_model(config.model)
         model_config = load_model_config(path)
         tokenizer = load_tokenizer(config.tokenizer or path)
         return cls(config, tokenizer, resolve_max_model_len(config, model_config.max_model_len),
-                   model_config.vocab_size,
-                   GrammarCompilerCache(tokenizer, model_config.vocab_size,
-                                        stop_token_ids(model_config, tokenizer)))
+                   model_config.vocab_size, ReplicaGrammars())
+
+
+class ReplicaGrammars:
+    """The grammar checks of a front whose engines run in replica processes: only those that
+    need no compile. The replica that runs a request compiles its grammar, once, on a helper
+    thread while it steps (vmkv/engine/commands.py), and refuses a grammar xgrammar cannot
+    compile with ValueError from ``add``: compiling here as well would compile every grammar
+    twice."""
+
+    @staticmethod
+    def compile(params: StructuredOutputsParams) -> None:
+        """ValueError if ``params`` uses a JSON-schema keyword that would not be enforced."""
+        if params.kind == "json":
+            check_schema_supported(json.loads(params.json))
 
 
 class Stream(Protocol):

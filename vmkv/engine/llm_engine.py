@@ -2,7 +2,7 @@
 
     add_request ──> Scheduler.waiting ──schedule()──> ModelRunner.execute ──> Sampler
                                                          │ fork n>1 after the prompt
-    RequestOutput <── stop checks, detokenise <── append token ─┘
+    RequestOutput <── OutputProcessor: append token, detokenise, stop, delta ─┘
 
 Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its own thread.
 """
@@ -11,31 +11,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from vmkv import envs
 from vmkv.config import EngineConfig
-from vmkv.distributed.executor import TensorParallelExecutor
-from vmkv.engine.cuda_graphs import maybe_create_graph_runner
-from vmkv.engine.detokenizer import IncrementalDetokenizer
 from vmkv.engine.front import stop_token_ids
-from vmkv.engine.model_runner import ModelRunner, PromptHidden
-from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vmkv.engine.output_processor import OutputProcessor
+from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.scheduler import Scheduler
 from vmkv.engine.sequence import Request, Sequence
-from vmkv.engine.shard import build_shard
-from vmkv.engine.stopping import check_stop, stream_safe_len
+from vmkv.engine.step_plan import plan_step
+from vmkv.executor import Executor, create_executor
 from vmkv.kernels import cpu_kernels
 from vmkv.kv.base import VmmError
-from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
-from vmkv.sampling import Sampler, SamplingState
+from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache
-from vmkv.structured.matcher import GrammarState
 
 logger = logging.getLogger("vmkv")
 
@@ -56,10 +52,32 @@ class EngineCounters:
         self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
 
-class LLMEngine:
-    """Continuous-batching engine over one model and one KV cache manager."""
+@dataclass
+class StepStats:
+    """What the last :meth:`LLMEngine.step` did, and where its time went (nanoseconds, from
+    ``time.perf_counter_ns``): what profilers and traces read instead of wrapping the engine.
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``execute_ns``: the executor's step (the forward and the logits); ``sample_ns``: the
+    sampler (logits to token ids); the rest of ``total_ns`` is the engine's own work
+    (scheduling, KV decisions, the step plan, fork/append/detokenise/stop and outputs)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    total_ns: int = 0
+    execute_ns: int = 0
+    sample_ns: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over one executor (the model's ranks) and its KV manager.
+
+    ``LLMEngine(config)`` loads the tokenizer and builds the executor the config asks for
+    (one rank, or tensor-parallel ranks); ``executor=`` and ``tokenizer=`` give it ready ones
+    (tests drive the scheduling and outputs with a stand-in executor and no weights).
+    """
+
+    def __init__(self, config: EngineConfig, *, executor: Executor | None = None,
+                 tokenizer: Any = None) -> None:
         started = time.monotonic()
         if config.data_parallel_size != 1:
             raise ValueError(f"an LLMEngine is one replica, got data_parallel_size="
@@ -67,48 +85,33 @@ class LLMEngine:
                              "vmkv.engine.data_parallel.DataParallelEngine (vmkv serve, vmkv "
                              "bench throughput)")
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)  # before any rank
-        # tensor parallelism: workers for ranks 1..N-1 (they build their shards meanwhile)
-        self.tp: TensorParallelExecutor | None = None
-        if config.tensor_parallel_size > 1:
-            self.tp = TensorParallelExecutor(config, self.model_path)
-        try:
-            shard = build_shard(config, self.model_path)
-            if self.tp is not None:
-                self.tp.wait_ready(shard.kv)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close(graceful=False)
-            raise
-        self.model, self.model_config = shard.model, shard.model_config
-        self.max_model_len, self.attn, self.compiled, self.fused = (
-            shard.max_model_len, shard.attn, shard.compiled, shard.fused)
-        # the scheduler's and the engine's KV calls reach every rank through the recorder
-        self.kv = shard.kv if self.tp is None else self.tp.record(shard.kv)
-        self.dtype = self.model.dtype
-        # virtual mode on CUDA: map the next steps' pages while the GPU computes (off with
-        # VMKV_BACKGROUND_MAPPER=0, and under tensor parallelism); the KV manager waits for it
-        self.mapper: BackgroundMapper | None = None
-        if envs.background_mapper() and self.tp is None:
-            self.mapper = self.kv.start_background_mapper()
-        # decode steps as CUDA graphs (off with --enforce-eager or VMKV_CUDA_GRAPHS=0, and under
-        # tensor parallelism); None on the CPU
-        self.graphs = None if config.enforce_eager or self.tp is not None else (
-            maybe_create_graph_runner(self.model, self.attn, max_batch_size=config.max_num_seqs,
-                                      mapper=self.mapper))
+        if executor is None:
+            model_path = resolve_model(config.model)
+            if tokenizer is None:  # before any rank starts
+                tokenizer = load_tokenizer(config.tokenizer or model_path)
+            executor = create_executor(config, model_path)
+        elif tokenizer is None:
+            raise ValueError("an engine given an executor needs its tokenizer too")
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.kv = executor.kv
+        self.model_config, self.max_model_len = executor.model_config, executor.max_model_len
+        # close() or, for an engine nobody closed, its garbage collection releases it
+        self._resources = weakref.finalize(self, executor.close)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.attn, self.graphs, self.tp)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = stop_token_ids(self.model_config, self.tokenizer)
         # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
         self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
                                              self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                       config.device)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
+        self.last_step = StepStats()
         self.startup_seconds = time.monotonic() - started
         for line in self.startup_report():
             logger.info(line)
@@ -118,25 +121,19 @@ class LLMEngine:
         """What vLLM users read at start-up: capacity, concurrency, the KV geometry, which CPU
         kernels run (on the CPU) and how the decoder layers run."""
         kv, cap = self.kv, self.kv.capacity_tokens
-        lines = [
-            f"model {self.model_path.name} ({self.model_config.architecture}, {self.dtype}: "
-            f"{self.config.dtype_choice[1]}) on {self.config.device}, loaded in "
+        return [
+            f"model {self.executor.model_name} ({self.model_config.architecture}, "
+            f"{self.executor.dtype}: {self.config.dtype_choice[1]}) on {self.config.device}, "
+            f"loaded in "
             f"{self.startup_seconds:.1f} s",
             f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
-            f"{'on' if self.kv.prefix is not None else 'off'}",
+            f"{'on' if self.kv.prefix_caching else 'off'}",
             kv.describe(),
-            *([cpu_kernels.report_line()] if self.model.device.type == "cpu" else []),
-            ("decoder layers fused (C++ calls around the attention)" if self.fused is not None
-             else "decoder layers compiled (TorchInductor)" if self.compiled
-             else "model runs eagerly"),
+            *([cpu_kernels.report_line()] if self.config.device == "cpu" else []),
+            *self.executor.describe(),
         ]
-        if self.tp is not None:
-            lines.append(f"tensor parallel: {self.tp.size} ranks; each holds the KV above for "
-                         f"{self.model.config.num_kv_heads} of the "
-                         f"{self.model_config.num_kv_heads} KV heads")
-        return lines
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -147,6 +144,8 @@ class LLMEngine:
         ``cache_salt``: requests with different salts never share prefix-cached KV.
         """
         params = params or SamplingParams()
+        if not self._resources.alive:
+            raise RuntimeError("this engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -166,11 +165,9 @@ class LLMEngine:
         if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
             grammar = self.grammars.new_state(params.structured_outputs)
         req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        seq = self._new_sequence(req, 0, list(ids), grammar)
+        seq = self.outputs.new_request(req, grammar)
         seq.pending_forks = params.n - 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -205,20 +202,6 @@ class LLMEngine:
                 f"{params.max_tokens} in max_tokens)")
         return params.max_tokens
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int],
-                      grammar: GrammarState | None = None) -> Sequence:
-        params = req.params
-        if index and params.seed is not None:  # each sample its own reproducible stream
-            params = replace(params, seed=(params.seed + index) % 2**63)
-        state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              grammar=grammar, device=self.config.device)
-        seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
-                       len(req.prompt_token_ids), state)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
-                                                 req.params.skip_special_tokens)
-        req.seqs.append(seq)
-        return seq
-
     def abort_request(self, request_id: str, stop_reason: str | None = None
                       ) -> RequestOutput | None:
         """Stop a request and free its KV now; None if it is unknown or already finished.
@@ -228,7 +211,7 @@ class LLMEngine:
         if req is None:
             return None
         self._finish_all(req, "abort", stop_reason)
-        return self._finish_request(req)
+        return self._output(req)
 
     def _finish_all(self, req: Request, reason: str, stop_reason: str | None = None) -> None:
         """Finish every unfinished sequence of ``req`` with ``reason``, freeing its KV."""
@@ -258,8 +241,11 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of every request that changed (finished ones last
-        appear with ``finished=True`` and are forgotten)."""
+        """Run one scheduled step; outputs of every request that changed, as their
+        ``output_kind`` says (a finished request's last output has ``finished=True``, and the
+        request is forgotten)."""
+        started = time.perf_counter_ns()
+        stats = self.last_step = StepStats()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in out.out_of_capacity:
@@ -277,25 +263,29 @@ class LLMEngine:
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            logits, ready, prompt_hidden = self.runner.execute(out)
-            self._record_prompt_logprobs(prompt_hidden)
+            plan, ready, prompt_seqs = plan_step(out)
+            stats.num_seqs, stats.num_tokens = len(out.scheduled), plan.num_tokens
+            t = time.perf_counter_ns()
+            logits, prompt_hidden = self.executor.execute(plan)
+            stats.execute_ns = time.perf_counter_ns() - t
+            self._record_prompt_logprobs(prompt_seqs, prompt_hidden)
             self.scheduler.update(out)
-            if self.mapper is not None:  # map ahead while the GPU computes; any KV call
-                # waits for it (sampling below syncs with the GPU first)
-                self.mapper.submit(self.kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))
-            if ready:
-                self._sample(logits, ready, touched)
-            if self.mapper is not None:
-                self.mapper.wait()  # idle between steps (abort/add never race with it)
-        return [self._output(req) for req in touched.values()]
+            # the KV manager maps ahead while the GPU computes (sampling syncs with it first)
+            with self.kv.mapping_ahead(PREMAP_LOOKAHEAD_TOKENS):
+                if ready:
+                    self._sample(logits, ready, touched)
+        outputs = [self._output(req) for req in touched.values()]
+        stats.total_ns = time.perf_counter_ns() - started
+        return [o for o in outputs if o is not None]
 
-    def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
+    def _record_prompt_logprobs(self, prompt_seqs: list[tuple[Sequence, int]],
+                                prompt_hidden: list[torch.Tensor]) -> None:
         """Score the prompt tokens this step's prefill chunks predict (in the same forward)."""
-        for seq, first, hidden in prompt_hidden:
+        for (seq, first), hidden in zip(prompt_seqs, prompt_hidden, strict=True):
             req = seq.request
             targets = seq.token_ids[first + 1 : first + 1 + len(hidden)]
-            req.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden,
-                                                       targets, req.params.prompt_logprobs))
+            self.outputs.prompt_logprobs(req, prompt_logprobs(
+                self.executor.compute_logits, hidden, targets, req.params.prompt_logprobs))
 
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
@@ -318,7 +308,9 @@ class LLMEngine:
             return
         if rows != list(range(len(ready))):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        t = time.perf_counter_ns()
         result = self.sampler(logits, [s.sampling_state for s in seqs])
+        self.last_step.sample_ns = time.perf_counter_ns() - t
         now = time.monotonic()
         for i, seq in enumerate(seqs):
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
@@ -332,46 +324,27 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After the prompt, make the n-1 other samples share the parent's KV; VmmError when
         the memory is refused (the request must fail)."""
-        req, children = parent.request, []
-        grammar = parent.sampling_state.grammar
-        for index in range(1, parent.pending_forks + 1):
-            child = self._new_sequence(req, index, list(parent.token_ids),
-                                       grammar.fork() if grammar is not None else None)
-            try:
-                forked = self.kv.fork(parent.seq_id, child.seq_id)
+        children = self.outputs.fork(parent)
+        parent.pending_forks = 0
+        for i, child in enumerate(children):
+            try:  # refused: no slot (reserved at admission) or the mapping budget is spent
+                if not self.kv.fork(parent.seq_id, child.seq_id):
+                    raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget "
+                                   "left")
             except VmmError:
-                req.seqs.remove(child)
+                for unforked in children[i:]:
+                    parent.request.seqs.remove(unforked)
                 raise
-            if not forked:  # no slot (reserved at admission) or the mapping budget is spent
-                req.seqs.remove(child)
-                raise VmmError(f"fork of {parent.seq_id} refused: no slot or VMA budget left")
             child.num_computed_tokens = parent.num_computed_tokens
             self.scheduler.add(child)
-            children.append(child)
-        parent.pending_forks = 0
         return children
 
     def _append(self, seq: Sequence, token: int, logprob: float | None,
                 top: list[tuple[int, float]] | None) -> None:
-        seq.token_ids.append(token)
-        seq.sampling_state.output_token_ids.append(token)
         self.counters.generation_tokens += 1
-        if seq.request.params.logprobs is not None:
-            entry = {token: float(logprob)} if logprob is not None else {}
-            entry.update({t: float(v) for t, v in (top or [])})
-            seq.logprobs.append(entry)
-        grammar = seq.sampling_state.grammar
-        if grammar is not None and not grammar.accept(token):  # the mask makes this unreachable
-            logger.error("%s: the grammar rejected token %d; aborting", seq.seq_id, token)
-            self._finish(seq, "abort")
-            return
-        start = len(seq.output_text)
-        seq.output_text += seq.detokenizer.step(seq.token_ids)
-        check_stop(seq, start, self.eos_token_ids, self.max_model_len)
-        if seq.finish_reason is None and grammar is not None and grammar.is_terminated:
-            seq.finish_reason = "stop"  # the grammar took EOS although ignore_eos was set
-        if seq.finish_reason is not None:
-            self._finish(seq, seq.finish_reason)
+        reason = self.outputs.append(seq, token, logprob, top)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -379,47 +352,24 @@ class LLMEngine:
         self.counters.finished[reason] += 1
 
     # -- outputs ------------------------------------------------------------------------------
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | None:
+        """``req``'s output after this step (None: nothing for its kind yet); a finished
+        request is forgotten."""
         if req.is_finished:
-            return self._finish_request(req)
-        return self._make_output(req, finished=False)
-
-    def _finish_request(self, req: Request) -> RequestOutput:
-        req.finish_time = req.finish_time or time.monotonic()
-        self.requests.pop(req.request_id, None)
-        return self._make_output(req, finished=True)
-
-    def _make_output(self, req: Request, *, finished: bool) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.output_text[: stream_safe_len(s)],
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-            )
-            for s in sorted(req.seqs, key=lambda s: s.index)
-        ]
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
-                                 req.first_token_time, req.finish_time)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished, metrics, req.num_cached_tokens, req.error,
-                             prompt_logprobs=None if req.prompt_logprobs is None
-                             else list(req.prompt_logprobs))
+            req.finish_time = req.finish_time or time.monotonic()
+            self.requests.pop(req.request_id, None)
+        return self.outputs.output(req)
 
     def close(self) -> None:
-        """Abort everything and release the KV memory."""
+        """Abort everything, release the KV memory and stop the tensor-parallel ranks (safe to
+        call again; an engine nobody closes is released when it is garbage-collected)."""
+        if not self._resources.alive:
+            return
         for request_id in list(self.requests):
             self.abort_request(request_id)
-        self.kv.close()
-        if self.mapper is not None:
-            self.mapper.close()
-        if self.tp is not None:
-            self.tp.close()
+        self._resources()
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel rank died or hangs);
         the async engine calls it while idle."""
-        if self.tp is not None:
-            self.tp.check_health()
+        self.executor.check_health()

@@ -1,22 +1,26 @@
 """One data-parallel replica: an :class:`LLMEngine` in its own process, driven over a
 ``multiprocessing`` Connection (the child side; the parent's is vmkv/engine/replica_client.py).
 
-Messages are ``(kind, call_id, payload)`` tuples, pickled by the Connection:
+The parent sends ``(call_id, command)`` pairs, the commands typed (vmkv/commands.py) and run by
+the dispatcher the async engine's thread uses (vmkv/engine/commands.py); ``call_id`` None asks
+for no reply. The replica sends ``(kind, call_id, payload)`` tuples, pickled by the Connection:
 
-    parent -> replica                                   replica -> parent
-    ("add", id, (request_id, prompt, params,     ->     ("reply", id, (True, None)) or
-                 cache_salt, max_waiting))              ("reply", id, (False, ValueError...))
-    ("abort", None, (request_id, reason))        ->     its final output with the next outputs
-    ("abort_all", id, reason)                    ->     final outputs, ("reply", id, (True, n))
-    ("call", id, fn)                             ->     ("reply", id, (True, fn(engine)))
-    ("stop", None, None)                         ->     the engine closes, the process exits 0
-                                                        ("outputs", None, [RequestOutput, ...])
-                                                        after every step that changed requests
+    parent -> replica                          replica -> parent
+    (id, Add(...))                      ->     ("reply", id, (True, None)) or
+                                               ("reply", id, (False, ValueError(...)))
+    (None, Abort(request_id, reason))   ->     its final output with the next outputs
+    (id, AbortAll(reason))              ->     final outputs, ("reply", id, (True, n))
+    (id, Call(fn))                      ->     ("reply", id, (True, fn(engine)))
+    (None, Stop())                      ->     the engine closes, the process exits 0
+                                               ("outputs", None, [RequestOutput, ...]) after
+                                               every step that changed requests: deltas for
+                                               the server's DELTA requests
 
 At start the replica sends ``("ready", None, pid)``, or ``("failed", None, exception)`` and
 exits. A step that raises sends ``("died", None, traceback)`` and exits 1: the parent fails the
-replica's streams. The replica dies with its parent (``PR_SET_PDEATHSIG``: SIGKILL when the
-thread that started it ends) and ends by itself when the parent's end of the pipe closes.
+replica's streams. The replica dies with its parent (vmkv/parent_death.py: SIGKILL when the
+thread that started it ends) and ends by itself when the parent's end of the pipe closes. An
+Add whose grammar is not compiled yet compiles on a helper thread while the replica steps.
 
 Nothing here imports torch at module level: the process is tuned before torch loads.
 """
@@ -24,16 +28,16 @@ Nothing here imports torch at module level: the process is tuned before torch lo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from vmkv.commands import Command, Stop
 from vmkv.config import EngineConfig
+from vmkv.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
@@ -41,20 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vmkv")
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: seconds an idle replica waits for a command before looking again
 IDLE_POLL = 0.5
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its parent goes (Linux; elsewhere the closed
-    pipe ends it); exit now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # it died before the prctl took effect
-        os._exit(1)
+#: seconds it waits while a request's grammar compiles on the helper thread
+COMPILE_POLL = 0.01
 
 
 def run_replica(index: int, config: EngineConfig, conn: Connection, parent_pid: int,
@@ -96,71 +90,59 @@ class ReplicaLoop:
     """Commands between steps, one step at a time, outputs back (as AsyncEngine's thread)."""
 
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
-        from vmkv.engine.async_engine import admit  # loads torch: not at module level
+        from vmkv.engine.commands import CommandRunner  # loads torch: not at module level
 
         self.engine = engine
         self.conn = conn
-        self._admit = admit
+        self._outputs: list[RequestOutput] = []  # final outputs of aborts, sent after a drain
+        self._commands = CommandRunner(engine, self._outputs.append)
 
     def run(self) -> None:
-        """Until ``stop`` (returns) or the parent's end closes (EOFError)."""
-        while True:
-            busy = self.engine.has_unfinished_requests()
-            if not self._drain(timeout=0 if busy else IDLE_POLL):
-                return
-            if self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
-                if outputs:
-                    self.conn.send(("outputs", None, outputs))
-            else:  # idle: a dead tensor-parallel rank of this replica fails it now
-                self.engine.check_health()
+        """Until Stop (returns) or the parent's end closes (EOFError)."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                if not self._drain(timeout=0 if busy else
+                                   COMPILE_POLL if self._commands.waiting else IDLE_POLL):
+                    return
+                self._commands.poll()
+                self._flush()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self.conn.send(("outputs", None, outputs))
+                else:  # idle: a dead tensor-parallel rank of this replica fails it now
+                    self.engine.check_health()
+        finally:
+            self._commands.close()
 
     def _drain(self, timeout: float) -> bool:
         """Handle every waiting command; False once told to stop."""
-        outputs: list[RequestOutput] = []
         try:
             while self.conn.poll(timeout):
                 timeout = 0
-                kind, call_id, payload = self.conn.recv()
-                if kind == "stop":
+                call_id, command = self.conn.recv()
+                if isinstance(command, Stop):
                     return False
-                self._handle(kind, call_id, payload, outputs)
+                self._handle(call_id, command)
         finally:
-            if outputs:
-                self.conn.send(("outputs", None, outputs))
+            self._flush()
         return True
 
-    def _handle(self, kind: str, call_id: int | None, payload: Any,
-                outputs: list[RequestOutput]) -> None:
-        try:
-            if kind == "add":
-                self._admit(self.engine, *payload)
-                result = None
-            elif kind == "abort":
-                self._abort(*payload, outputs)
-                result = None
-            elif kind == "abort_all":
-                ids = list(self.engine.requests)
-                for request_id in ids:
-                    self._abort(request_id, payload, outputs)
-                result = len(ids)
-            elif kind == "call":
-                result = payload(self.engine)
-            else:
-                raise ValueError(f"unknown replica command {kind!r}")
-        except Exception as exc:  # bad input: the caller gets it, the loop goes on
-            if call_id is None:
-                logger.warning("%s %r failed: %s", kind, payload, exc)
-            else:
-                self._reply(call_id, False, exc)
-            return
-        if call_id is not None:
-            self._reply(call_id, True, result)
+    def _handle(self, call_id: int | None, command: Command) -> None:
+        def done(ok: bool, value: Any) -> None:
+            if call_id is not None:
+                self._reply(call_id, ok, value)
+            elif not ok:
+                logger.warning("%r failed: %s", command, value)
 
-    def _abort(self, request_id: str, reason: str | None, outputs: list[RequestOutput]) -> None:
-        out = self.engine.abort_request(request_id, reason)
-        if out is not None:
-            outputs.append(out)
+        self._commands.run(command, done)
+
+    def _flush(self) -> None:
+        if self._outputs:
+            outputs = list(self._outputs)
+            self._outputs.clear()
+            self.conn.send(("outputs", None, outputs))
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         try:

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from vmkv.commands import Abort, AbortAll, Add, Command, Stop
 from vmkv.engine.async_engine import EngineDeadError, RequestStream
 from vmkv.engine.outputs import RequestOutput
 from vmkv.sampling_params import SamplingParams
@@ -52,8 +53,7 @@ class ReplicaClient:
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._outbox: queue.SimpleQueue[tuple[str, int | None, Any] | None] = (
-            queue.SimpleQueue())
+        self._outbox: queue.SimpleQueue[tuple[int | None, Command] | None] = queue.SimpleQueue()
         self._stopping = False
         self._threads: list[threading.Thread] = []
 
@@ -94,22 +94,22 @@ class ReplicaClient:
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   cache_salt: str | None, max_waiting: int | None) -> RequestStream:
         """Submit a request to this replica (errors as :meth:`AsyncEngine.add`)."""
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), params)
         with self._lock:  # registered first: its outputs may come right after the reply
             self._streams[request_id] = (stream, params.n)
             self.load += params.n
         try:
-            await self.call("add", (request_id, prompt, params, cache_salt, max_waiting))
+            await self.call(Add(request_id, prompt, params, cache_salt, max_waiting))
         except asyncio.CancelledError:
             self._forget(request_id)
-            self._submit("abort", (request_id, None))  # it may have been queued meanwhile
+            self._submit(Abort(request_id))  # it may have been queued meanwhile
             raise
         except BaseException:
             self._forget(request_id)
             raise
         return stream
 
-    async def call(self, kind: str, payload: Any) -> Any:
+    async def call(self, command: Command) -> Any:
         """Send a command and await the replica's reply (its exception is raised here)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -117,25 +117,25 @@ class ReplicaClient:
                 raise self.dead
             call_id = next(self._ids)
             self._pending[call_id] = future
-        self._outbox.put((kind, call_id, payload))
+        self._outbox.put((call_id, command))
         return await asyncio.wrap_future(future)
 
-    def _submit(self, kind: str, payload: Any) -> None:
+    def _submit(self, command: Command) -> None:
         """Send a command without waiting for a reply (what a stream's ``abort()`` uses)."""
-        self._outbox.put((kind, None, payload))
+        self._outbox.put((None, command))
 
     def fail(self, error: EngineDeadError) -> None:
         """End every stream and pending call with ``error`` and abort this replica's requests
         (another replica died: the whole engine fails)."""
         self._fail_all(error)
         if self.process.is_alive():
-            self._submit("abort_all", error.args[0] if error.args else None)
+            self._submit(AbortAll(error.args[0] if error.args else None))
 
     # -- shutdown -----------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Ask the replica to close its engine and exit (see :meth:`join`)."""
         self._stopping = True
-        self._outbox.put(("stop", None, None))
+        self._outbox.put((None, Stop()))
         self._outbox.put(None)  # the writer ends after it
 
     def join(self, timeout: float) -> None:
@@ -160,8 +160,8 @@ class ReplicaClient:
             except (EOFError, OSError):  # the replica is gone: the reader reports it
                 return
             except Exception as exc:  # noqa: BLE001 - the payload does not pickle
-                self._resolve(message[1], False, ValueError(
-                    f"cannot send {message[0]!r} to replica {self.index}: {exc}"))
+                self._resolve(message[0], False, ValueError(
+                    f"cannot send {type(message[1]).__name__} to replica {self.index}: {exc}"))
 
     def _read(self) -> None:
         reason: str | None = None

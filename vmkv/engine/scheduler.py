@@ -194,7 +194,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """Record that the step ran: scheduled tokens are now computed (and their completed
         units published to the prefix cache)."""
-        caching = self.kv.prefix is not None
+        caching = self.kv.prefix_caching
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
             if caching:
@@ -204,7 +204,7 @@ class Scheduler:
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:
         """Cached tokens for a sequence about to be admitted fresh (0 if none)."""
-        if (seq.num_computed_tokens or seq.swapped is not None or self.kv.prefix is None
+        if (seq.num_computed_tokens or seq.swapped is not None or not self.kv.prefix_caching
                 or seq.request.params.prompt_logprobs is not None):  # (recompute to score it)
             return 0
         hit = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)

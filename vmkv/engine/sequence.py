@@ -42,8 +42,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # requests with different salts never share cached KV
     error: str | None = None  # why the request failed (its KV memory was refused), if it did
-    # with params.prompt_logprobs: per prompt token {token_id: logprob}, None for the first
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with params.prompt_logprobs: prompt tokens scored so far (the first counts: it has none)
+    num_prompt_logprobs: int | None = None
+    output: Any = None  # vmkv.engine.output_processor.RequestOutputState
 
     @property
     def is_finished(self) -> bool:
@@ -65,11 +66,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    output_text: str = ""
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     pending_forks: int = 0  # children to fork once the prompt is prefilled
     swapped: Any = None  # SwappedKV while preempted in swap mode
-    detokenizer: Any = None
+    output: Any = None  # vmkv.engine.output_processor.SeqOutputState: what is not emitted yet
 
     @property
     def num_tokens(self) -> int:
@@ -91,8 +90,8 @@ class Sequence:
     def prompt_logprobs_from(self) -> int:
         """First prompt position whose logprob target is still missing (the request's
         ``num_prompt_tokens`` when it wants none or has them all)."""
-        recorded = self.request.prompt_logprobs
-        return self.num_prompt_tokens if recorded is None else len(recorded) - 1
+        recorded = self.request.num_prompt_logprobs
+        return self.num_prompt_tokens if recorded is None else recorded - 1
 
     @property
     def num_new_tokens(self) -> int:

@@ -40,6 +40,7 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
     """Read the engine's counters (call on the engine thread)."""
     kv = engine.kv
     stats = engine.scheduler.stats
+    prefix = kv.prefix_stats()
     return Snapshot(
         running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting),
@@ -51,9 +52,9 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         recomputed_tokens=stats.num_recomputed_tokens,
         swapped_tokens=stats.num_swapped_out_tokens,
         memory_ops=kv.memory_stats(),
-        prefix_queries=kv.prefix.queries if kv.prefix is not None else 0,
-        prefix_hits=kv.prefix.hits if kv.prefix is not None else 0,
-        prefix_enabled=kv.prefix is not None,
+        prefix_queries=prefix.queries,
+        prefix_hits=prefix.hits,
+        prefix_enabled=prefix.enabled,
     )
 
 

@@ -10,19 +10,22 @@ and per-request addressing (slot ids or block tables).
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from vmkv.kv.addressing import Addressing
+from vmkv.kv.changes import DropSwapped, KVChange, SwapOut
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
-from vmkv.memory.base import VmmError
+from vmkv.memory.errors import VmmError
 
-__all__ = ["KVCacheManager", "KVUsage", "SwappedKV", "VmmError"]
+__all__ = ["KVCacheManager", "KVUsage", "PrefixCacheStats", "SwappedKV", "VmmError"]
 
 if TYPE_CHECKING:
     from vmkv.memory.mapper import BackgroundMapper
@@ -77,6 +80,15 @@ class KVUsage:
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "fraction": self.fraction, "useful_fraction": self.useful_fraction}
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix caching's counters since start-up: prompt tokens looked up, and found."""
+
+    enabled: bool
+    queries: int = 0
+    hits: int = 0
 
 
 class KVCacheManager(ABC):
@@ -191,10 +203,28 @@ class KVCacheManager(ABC):
         so that the same calls get the same answers on every rank); no-op without a budget."""
 
     # -- background pre-mapping (virtual mode on CUDA; see vmkv.memory.mapper) ----------------
+    #: the mapper thread :meth:`start_background_mapper` started (closed with the manager)
+    mapper: BackgroundMapper | None = None
+
     def start_background_mapper(self) -> BackgroundMapper | None:
-        """Start a mapper thread that pre-maps pages while the device computes, attached to
-        this manager; None where there is nothing to pre-map."""
+        """Start a mapper thread that pre-maps pages while the device computes, owned by this
+        manager (:attr:`mapper`); None where there is nothing to pre-map."""
         return None
+
+    @contextmanager
+    def mapping_ahead(self, lookahead_tokens: int) -> Iterator[None]:
+        """While the body runs (the device computes), the mapper pre-maps the pages the
+        running requests' next ``lookahead_tokens`` tokens need; on leaving, wait for it, so
+        no KV call between steps ever races with it. Without a mapper: nothing."""
+        mapper = self.mapper
+        if mapper is None:
+            yield
+            return
+        mapper.submit(self.premap_ahead(lookahead_tokens))
+        try:
+            yield
+        finally:
+            mapper.wait()
 
     def premap_ahead(self, lookahead_tokens: int) -> list[Callable[[], int]]:
         """Units of work for the mapper: the pages running requests' next ``lookahead_tokens``
@@ -222,12 +252,65 @@ class KVCacheManager(ABC):
         """Forget every cached unit; returns how many (0 when prefix caching is off)."""
         return self.prefix.reset() if self.prefix is not None else 0
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (requests may start with cached tokens)."""
+        return self.prefix is not None
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prefix caching's lookups and hits (in prompt tokens) since start-up."""
+        prefix = self.prefix
+        if prefix is None:
+            return PrefixCacheStats(enabled=False)
+        return PrefixCacheStats(True, prefix.queries, prefix.hits)
+
     def has_request(self, request_id: str) -> bool:
         return self.num_tokens(request_id) > 0 or request_id in self.request_ids()
 
     @abstractmethod
     def request_ids(self) -> list[str]:
         """Requests currently holding memory."""
+
+    @abstractmethod
+    def units_of(self, request_id: str) -> list[int]:
+        """The physical units holding ``request_id``'s tokens: its block ids, or its slot's
+        pages in the first region (what must agree on every tensor-parallel rank)."""
+
+    # -- decisions as data (tensor parallelism; see vmkv.kv.changes) ---------------------------
+    #: the changes made since :meth:`take_changes`, while recording; None when not recording
+    changes: list[KVChange] | None = None
+
+    def record_changes(self) -> None:
+        """From now on, log every change this manager makes (rank 0 of tensor parallelism)."""
+        self.changes = []
+        # swapped-out requests whose saved KV the other ranks hold: dropped when rank 0's is
+        self._swapped_out: weakref.WeakValueDictionary[str, SwappedKV] = (
+            weakref.WeakValueDictionary())
+        self._swaps_held: set[str] = set()
+
+    def take_changes(self) -> list[KVChange]:
+        """The changes since the last take, in order (see :mod:`vmkv.kv.changes`)."""
+        changes, self.changes = self.changes or [], []
+        dropped = tuple(r for r in self._swaps_held if r not in self._swapped_out)
+        if dropped:
+            self._swaps_held.difference_update(dropped)
+            changes.append(DropSwapped(dropped))
+        return changes
+
+    @abstractmethod
+    def apply_changes(self, changes: Sequence[KVChange]) -> None:
+        """Make the changes another manager of the same geometry recorded, deciding nothing:
+        the same slots, pages or blocks, the same copies of this manager's own bytes."""
+
+    def _record(self, change: KVChange) -> None:
+        if self.changes is not None:
+            self.changes.append(change)
+
+    def _record_swap_out(self, swapped: SwappedKV, change: SwapOut) -> None:
+        if self.changes is not None:
+            self.changes.append(change)
+            self._swapped_out[change.request_id] = swapped
+            self._swaps_held.add(change.request_id)
 
     @staticmethod
     def _host_copy(t: torch.Tensor, *, owned: bool = False) -> torch.Tensor:

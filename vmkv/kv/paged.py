@@ -20,6 +20,16 @@ import torch
 
 from vmkv.kv.addressing import BlockAddressing
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
+from vmkv.kv.changes import (
+    CopyBlock,
+    DropSwapped,
+    Forget,
+    KVChange,
+    SetTable,
+    SwapIn,
+    SwapOut,
+    Tokens,
+)
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.spec import KVSpec
 
@@ -131,6 +141,7 @@ class PagedKVCache(KVCacheManager):
         self.tables = BlockTableMirror(self.block_tables)
         self.max_blocks = -(-max_model_len // block_size)
         self._num_tokens: dict[str, int] = {}
+        self._saved: dict[str, torch.Tensor] = {}  # a follower's swapped-out KV by request
         if enable_prefix_caching:
             self.prefix = PrefixCaching(BlockUnits(self), prefix_cache_hash)
 
@@ -155,6 +166,9 @@ class PagedKVCache(KVCacheManager):
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
+
+    def units_of(self, request_id: str) -> list[int]:
+        return list(self.block_tables[request_id])
 
     def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
                    full_width: bool = False) -> BlockAddressing:
@@ -206,11 +220,19 @@ class PagedKVCache(KVCacheManager):
         if got is None:
             return False
         table = self.block_tables.setdefault(request_id, [])
+        start = len(table) - cow  # the first entry this changes
         if cow:
             self._copy_on_write(table, got.pop(0))
         table.extend(got)
         self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
+        if self.changes is not None:
+            self._record_table(request_id, start)
         return True
+
+    def _record_table(self, request_id: str, start: int) -> None:
+        table = self.block_tables[request_id]
+        self.changes.append(SetTable(request_id, start, tuple(table[start:])))
+        self.changes.append(Tokens(request_id, self._num_tokens[request_id]))
 
     def describe(self) -> str:
         return f"paged: {self.pool.num_blocks:,} blocks of {self.block_size} tokens"
@@ -218,6 +240,7 @@ class PagedKVCache(KVCacheManager):
     def _copy_on_write(self, table: list[int], new_block: int) -> None:
         old = table[-1]
         self.kv[:, :, new_block].copy_(self.kv[:, :, old])  # the one partial block, all layers
+        self._record(CopyBlock(old, new_block))
         self.pool.release(old)
         table[-1] = new_block
 
@@ -229,6 +252,8 @@ class PagedKVCache(KVCacheManager):
             self.pool.retain(block)
         self.block_tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        if self.changes is not None:
+            self._record_table(child_id, 0)
         if self.prefix is not None:
             self.prefix.inherit(parent_id, child_id)
         return True
@@ -239,6 +264,7 @@ class PagedKVCache(KVCacheManager):
         del self._num_tokens[request_id]
         for block in reversed(table):  # all or nothing; tail blocks reach the queue first
             self.pool.release(block)
+        self._record(Forget(request_id))
         if self.prefix is not None:
             self.prefix.forget(request_id)
 
@@ -246,6 +272,7 @@ class PagedKVCache(KVCacheManager):
         table = torch.tensor(self.block_tables[request_id], device=self.device)
         data = self._host_copy(self.kv.index_select(2, table), owned=True)  # [L,2,blocks,bs,H,D]
         swapped = SwappedKV(self.num_tokens(request_id), [data])
+        self._record_swap_out(swapped, SwapOut(request_id, tuple(self.block_tables[request_id])))
         self.free(request_id)
         return swapped
 
@@ -256,7 +283,40 @@ class PagedKVCache(KVCacheManager):
             return False
         table = torch.tensor(self.block_tables[request_id], device=self.device)
         self.kv.index_copy_(2, table, swapped.data[0].to(self.device, non_blocking=True))
+        if self.changes is not None:
+            self.changes.append(SwapIn(request_id, tuple(self.block_tables[request_id])))
+            self._swaps_held.discard(request_id)
         return True
+
+    def apply_changes(self, changes: Sequence[KVChange]) -> None:
+        """A follower keeps the block tables and moves its own bytes; it decides nothing and
+        keeps no pool or prefix accounting (rank 0's manager does)."""
+        saved = self._saved
+        for change in changes:
+            match change:
+                case SetTable(request_id, start, blocks):
+                    table = self.block_tables.setdefault(request_id, [])
+                    del table[start:]
+                    table.extend(blocks)
+                case Tokens(request_id, num_tokens):
+                    self._num_tokens[request_id] = num_tokens
+                case Forget(request_id):
+                    del self.block_tables[request_id], self._num_tokens[request_id]
+                    self.tables.forget(request_id)
+                case CopyBlock(src, dst):
+                    self.kv[:, :, dst].copy_(self.kv[:, :, src])
+                case SwapOut(request_id, blocks):
+                    index = torch.tensor(blocks, device=self.device)
+                    saved[request_id] = self._host_copy(self.kv.index_select(2, index),
+                                                        owned=True)
+                case SwapIn(request_id, blocks):
+                    index = torch.tensor(blocks, device=self.device)
+                    self.kv.index_copy_(2, index, saved.pop(request_id).to(self.device))
+                case DropSwapped(request_ids):
+                    for request_id in request_ids:
+                        saved.pop(request_id, None)
+                case _:
+                    raise ValueError(f"a paged KV cache cannot apply {change!r}")
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -334,4 +394,6 @@ class BlockUnits:
             kv.pool.retain(block)
         kv.block_tables[request_id] = list(blocks)
         kv._num_tokens[request_id] = len(blocks) * kv.block_size
+        if kv.changes is not None:
+            kv._record_table(request_id, 0)
         return len(blocks) * kv.block_size

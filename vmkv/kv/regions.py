@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from vmkv.kv.changes import CopyPage, KVChange, MapPages, UnmapPages
 from vmkv.kv.spec import VirtualLayout
-from vmkv.memory.base import MappingBudgetExceeded, VmmError, rolled_back
+from vmkv.memory.base import rolled_back
+from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
 from vmkv.memory.region import UNMAPPED, VirtualRegion
 
@@ -24,9 +26,11 @@ from vmkv.memory.region import UNMAPPED, VirtualRegion
 class RegionGroup:
     """``layout.num_regions`` regions of ``num_va_slots`` slots each over one pool."""
 
-    def __init__(self, pool: PagePool, layout: VirtualLayout, num_va_slots: int) -> None:
+    def __init__(self, pool: PagePool, layout: VirtualLayout, num_va_slots: int,
+                 record: Callable[[KVChange], None] | None = None) -> None:
         self.pool = pool
         self.layout = layout
+        self.record = record  # every mapping change made, as data (vmkv/kv/changes.py)
         # a pool split into one partition per region keeps each region's pages physically
         # adjacent (long runs, few VMAs)
         per_region = pool.partitions == layout.num_regions
@@ -51,11 +55,19 @@ class RegionGroup:
         return sum(r.nbytes for r in self.regions)
 
     # -- mapping, all regions or none -----------------------------------------------------------
-    def map_new(self, va_page: int, num: int) -> bool:
-        """Fresh pool pages at ``[va_page, va_page+num)`` of every region; False (nothing
-        changed) when the pool or the VMA budget is short."""
-        return self._lockstep(va_page, num,
-                              lambda _, region: region.map_new(va_page, num) is not None)
+    def map_new(self, va_page: int, num: int,
+                pages: Sequence[Sequence[int]] | None = None) -> bool:
+        """Fresh pool pages at ``[va_page, va_page+num)`` of every region (exactly
+        ``pages[r]`` in region ``r`` if given); False (nothing changed) when the pool or the
+        VMA budget is short."""
+        def map_one(r: int, region: VirtualRegion) -> bool:
+            exact = None if pages is None else list(pages[r])
+            return region.map_new(va_page, num, exact) is not None
+
+        if not self._lockstep(va_page, num, map_one):
+            return False
+        self._log(MapPages(va_page, tuple(map(tuple, self.pages(va_page, num))), fresh=True))
+        return True
 
     def map_shared(self, va_page: int, pages: Sequence[Sequence[int]]) -> bool:
         """Map ``pages[r]`` (pages already in use) at ``va_page`` of region ``r``; False
@@ -66,7 +78,14 @@ class RegionGroup:
             region.map_shared(va_page, pages[r])
             return True
 
-        return self._lockstep(va_page, num, share)
+        if not self._lockstep(va_page, num, share):
+            return False
+        self._log(MapPages(va_page, tuple(tuple(p) for p in pages), fresh=False))
+        return True
+
+    def _log(self, change: KVChange) -> None:
+        if self.record is not None:
+            self.record(change)
 
     def _lockstep(self, va_page: int, num: int,
                   map_one: Callable[[int, VirtualRegion], bool]) -> bool:
@@ -92,10 +111,11 @@ class RegionGroup:
         """Unmap ``num`` pages at ``va_page`` everywhere (the caller synchronized)."""
         for region in self.regions:
             region.unmap(va_page, num)
+        self._log(UnmapPages(va_page, num))
 
-    def copy_on_write(self, va_page: int) -> None:
+    def copy_on_write(self, va_page: int, pages: Sequence[int] | None = None) -> None:
         """Give ``va_page`` a private copy of its (shared) page in every region; the pool must
-        have a free page per region.
+        have a free page per region (exactly ``pages[r]`` in region ``r`` if given).
 
         All regions or none: if the OS/driver refuses a page or a mapping (``VmmError``,
         ``MappingBudgetExceeded``), every region keeps its shared page and the error is raised
@@ -104,8 +124,12 @@ class RegionGroup:
         ps = self.pool.page_size
         fresh: list[int] = []
         try:
-            for region in self.regions:
-                (page,) = self.pool.allocate(1, None, region.partition)
+            for r, region in enumerate(self.regions):
+                if pages is None:
+                    (page,) = self.pool.allocate(1, None, region.partition)
+                else:
+                    page = pages[r]
+                    self.pool.take([page])
                 fresh.append(page)
         except BaseException:
             for page in fresh:
@@ -128,6 +152,7 @@ class RegionGroup:
             for page in fresh[len(done):]:
                 self.pool.release(page)
             raise
+        self._log(CopyPage(va_page, tuple(fresh)))
 
     # -- reading ----------------------------------------------------------------------------------
     def pages_at(self, va_page: int) -> tuple[int, ...]:

@@ -42,11 +42,25 @@ import torch
 
 from vmkv.kv.addressing import SlotAddressing
 from vmkv.kv.base import KVCacheManager, KVUsage, SwappedKV
+from vmkv.kv.changes import (
+    CopyPage,
+    DropSwapped,
+    Forget,
+    HoldPages,
+    KVChange,
+    MapPages,
+    Place,
+    SwapIn,
+    SwapOut,
+    Tokens,
+    TrimPool,
+    UnmapPages,
+)
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.regions import RegionGroup
 from vmkv.kv.slots import SlotTable
 from vmkv.kv.spec import KVSpec, VirtualLayout
-from vmkv.memory.base import MappingBudgetExceeded, VmmError
+from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
 
 if TYPE_CHECKING:
@@ -63,8 +77,8 @@ def _waits_for_mapper(cls: C) -> C:
     def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(self: VirtualKVCache, *args: Any, **kwargs: Any) -> Any:
-            if self._mapper is not None:
-                self._mapper.wait()
+            if self.mapper is not None:
+                self.mapper.wait()
             return fn(self, *args, **kwargs)
 
         return wrapper
@@ -129,18 +143,20 @@ class VirtualKVCache(KVCacheManager):
             raise ValueError(
                 f"{num_slots} slots of {self.layout.slot_bytes} B exceed the 64 TiB of virtual "
                 "address space vmkv allows itself; lower max_num_seqs or max_model_len")
-        self.regions = RegionGroup(pool, self.layout, self.slots.num_va_slots)
+        self.regions = RegionGroup(pool, self.layout, self.slots.num_va_slots, self._record)
         self._layer_views = self.regions.layer_views(self.slots.num_va_slots)
         self._num_tokens: dict[str, int] = {}
-        self._mapper: BackgroundMapper | None = None
+        self._saved: dict[str, list[torch.Tensor]] = {}  # a follower's swapped-out KV
+        self.mapper: BackgroundMapper | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCaching(PageUnits(self), prefix_cache_hash)
 
     # -- background pre-mapping (vmkv.memory.mapper) ------------------------------------------
     def attach_mapper(self, mapper: BackgroundMapper | None) -> None:
         """Let ``mapper`` pre-map pages (:meth:`premap_ahead`); from now on every public method
-        first waits for it, so the manager is never used while a unit runs."""
-        self._mapper = mapper
+        first waits for it, so the manager is never used while a unit runs. The manager owns
+        it: :meth:`close` closes it."""
+        self.mapper = mapper
 
     def start_background_mapper(self) -> BackgroundMapper | None:
         """A mapper thread attached to this cache when its pages live on a GPU (there map calls
@@ -215,6 +231,11 @@ class VirtualKVCache(KVCacheManager):
 
     def mapped_pages(self, slot: int) -> int:
         return self.slots.mapped[slot]
+
+    def units_of(self, request_id: str) -> list[int]:
+        slot = self.slots.slot_of[request_id]
+        first = self._first_va_page(slot)
+        return self.regions[0].page_at[first : first + self.slots.mapped[slot]].tolist()
 
     def describe(self) -> str:
         lay = self.layout
@@ -306,9 +327,15 @@ class VirtualKVCache(KVCacheManager):
             if isinstance(exc, MappingBudgetExceeded):
                 return False
             raise
-        self.slots.hold(request_id, slot)
-        self._num_tokens[request_id] = self.num_tokens(request_id) + num_new_tokens
+        self._hold_slot(request_id, slot, self.num_tokens(request_id) + num_new_tokens)
         return True
+
+    def _hold_slot(self, request_id: str, slot: int, num_tokens: int) -> None:
+        if request_id not in self.slots.slot_of:
+            self.slots.hold(request_id, slot)
+            self._record(Place(request_id, slot))
+        self._num_tokens[request_id] = num_tokens
+        self._record(Tokens(request_id, num_tokens))
 
     def _grow(self, slot: int, num: int) -> bool:
         """Map ``num`` more pages at the end of ``slot``'s prefix in every region."""
@@ -328,8 +355,7 @@ class VirtualKVCache(KVCacheManager):
         if not self.regions.map_shared(self._first_va_page(slot), pages):
             return False
         self.slots.mapped[slot] = len(pages[0])
-        self.slots.hold(request_id, slot)
-        self._num_tokens[request_id] = num_tokens
+        self._hold_slot(request_id, slot, num_tokens)
         return True
 
     # -- shrinking ----------------------------------------------------------------------------
@@ -371,6 +397,7 @@ class VirtualKVCache(KVCacheManager):
         budget = self.max_idle_pages
         if budget is None:
             self.pool.trim()
+            self._record(TrimPool(None))
             return
         if self._kept_pages() > budget:
             self._reclaim(self._kept_pages() - budget, exclude=-1)
@@ -381,6 +408,7 @@ class VirtualKVCache(KVCacheManager):
         if self.pool.max_idle_pages is not None:
             keep = min(keep, self.pool.max_idle_pages)
         self.pool.trim(keep)
+        self._record(TrimPool(keep))
 
     def reset_prefix_cache(self) -> int:
         dropped = super().reset_prefix_cache()
@@ -390,6 +418,7 @@ class VirtualKVCache(KVCacheManager):
     def free(self, request_id: str) -> None:
         slot = self.slots.release(request_id)
         del self._num_tokens[request_id]
+        self._record(Forget(request_id))
         first = self._first_va_page(slot)
         shared = any(self.pool.is_shared(int(p))
                      for p in self.regions[0].page_at[first : first + self.slots.mapped[slot]])
@@ -403,11 +432,13 @@ class VirtualKVCache(KVCacheManager):
     def swap_out(self, request_id: str) -> SwappedKV:
         """Copy the request's mapped pages (page-granular) to host memory, then free it."""
         slot, n = self.slots.slot_of[request_id], self._num_tokens[request_id]
-        views = self.regions.byte_views(self._first_va_page(slot), self.layout.pages_for(n))
-        data = [self._host_copy(v) for v in views]
+        where = (self._first_va_page(slot), self.layout.pages_for(n))
+        data = [self._host_copy(v) for v in self.regions.byte_views(*where)]
         self.backend.synchronize()
+        swapped = SwappedKV(n, data)
+        self._record_swap_out(swapped, SwapOut(request_id, where))
         self.free(request_id)
-        return SwappedKV(n, data)
+        return swapped
 
     def swap_in(self, request_id: str, swapped: SwappedKV) -> bool:
         """Map fresh pages in a slot and copy the saved pages back under them."""
@@ -415,11 +446,63 @@ class VirtualKVCache(KVCacheManager):
             raise ValueError(f"swap_in of {request_id!r} which already holds KV")
         if not self.allocate(request_id, swapped.num_tokens):
             return False
-        views = self.regions.byte_views(self._first_va_page(self.slots.slot_of[request_id]),
-                                        self.layout.pages_for(swapped.num_tokens))
-        for view, saved in zip(views, swapped.data, strict=True):
+        where = (self._first_va_page(self.slots.slot_of[request_id]),
+                 self.layout.pages_for(swapped.num_tokens))
+        for view, saved in zip(self.regions.byte_views(*where), swapped.data, strict=True):
             view.copy_(saved, non_blocking=True)
+        if self.changes is not None:
+            self.changes.append(SwapIn(request_id, where))
+            self._swaps_held.discard(request_id)
         return True
+
+    def apply_changes(self, changes: Sequence[KVChange]) -> None:
+        """A follower takes the slots and the exact pages rank 0 chose, and moves its own
+        bytes; it decides nothing (its prefix cache stays empty: the pages the leader's holds
+        keep their references here as :class:`HoldPages`)."""
+        regions, slot_pages = self.regions, self.layout.slot_pages
+        for change in changes:
+            match change:
+                case Place(request_id, slot):
+                    self.slots.hold(request_id, slot)
+                case Tokens(request_id, num_tokens):
+                    self._num_tokens[request_id] = num_tokens
+                case Forget(request_id):
+                    self.slots.release(request_id)
+                    del self._num_tokens[request_id]
+                case MapPages(va_page, pages, fresh):
+                    num = len(pages[0])
+                    mapped = (regions.map_new(va_page, num, pages) if fresh
+                              else regions.map_shared(va_page, pages))
+                    if not mapped:  # only a budget this rank does not share can refuse it
+                        raise MappingBudgetExceeded(f"could not map {num} pages at va page "
+                                                    f"{va_page} as rank 0 did")
+                    slot, index = divmod(va_page, slot_pages)
+                    self.slots.mapped[slot] = index + num
+                case UnmapPages(va_page, num):
+                    self.backend.synchronize()
+                    regions.unmap(va_page, num)
+                    slot, index = divmod(va_page, slot_pages)
+                    self.slots.mapped[slot] = index
+                case CopyPage(va_page, pages):
+                    regions.copy_on_write(va_page, pages)
+                case HoldPages(pages, hold):
+                    for page in pages:
+                        (self.pool.retain if hold else self.pool.release)(page)
+                case TrimPool(keep):
+                    self.pool.trim(keep)
+                case SwapOut(request_id, where):
+                    self._saved[request_id] = [self._host_copy(v)
+                                               for v in regions.byte_views(*where)]
+                    self.backend.synchronize()
+                case SwapIn(request_id, where):
+                    for view, saved in zip(regions.byte_views(*where),
+                                           self._saved.pop(request_id), strict=True):
+                        view.copy_(saved, non_blocking=True)
+                case DropSwapped(request_ids):
+                    for request_id in request_ids:
+                        self._saved.pop(request_id, None)
+                case _:
+                    raise ValueError(f"a virtual KV cache cannot apply {change!r}")
 
     # -- sharing ------------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> bool:
@@ -481,7 +564,10 @@ class VirtualKVCache(KVCacheManager):
 
     def close(self) -> None:
         """Free every request, unmap and release every page, the reservations and the
-        backend's own resources (its pool file or anchor page)."""
+        backend's own resources (its pool file or anchor page), and stop its mapper."""
+        if self.mapper is not None:
+            self.mapper.close()
+            self.mapper = None
         for rid in list(self.slots.slot_of):
             self.free(rid)
         if self.prefix is not None:
@@ -510,10 +596,12 @@ class PageUnits:
     def hold(self, pages: tuple[int, ...]) -> None:
         for page in pages:
             self.kv.pool.retain(page)
+        self.kv._record(HoldPages(pages, hold=True))
 
     def unhold(self, pages: tuple[int, ...]) -> None:
         for page in pages:
             self.kv.pool.release(page)
+        self.kv._record(HoldPages(pages, hold=False))
 
     def is_cache_only(self, pages: tuple[int, ...]) -> bool:
         # one page index has the same reference count in every region (asserted by check()):

@@ -3,10 +3,10 @@
 ``memory`` knows pages and addresses, never requests: see :mod:`vmkv.kv` for that.
 """
 
-from vmkv.memory.base import (
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import (
     BackendUnavailable,
     MappingBudgetExceeded,
-    MemoryBackend,
     MemoryStateLost,
     VmmError,
 )

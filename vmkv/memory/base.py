@@ -19,31 +19,11 @@ from typing import TypeVar
 
 import torch
 
+from vmkv.memory.errors import MemoryStateLost, VmmError
+from vmkv.memory.faults import FaultInjector
 from vmkv.memory.stats import MemoryStats
 
 T = TypeVar("T")
-
-
-class VmmError(RuntimeError):
-    """Base class for errors raised by the memory layer (an OS or driver call failed)."""
-
-
-class BackendUnavailable(VmmError):
-    """The backend cannot run here (no driver, no GPU, missing bindings)."""
-
-
-class MappingBudgetExceeded(VmmError):
-    """A mapping would exceed a budget (host: the VMA budget under ``vm.max_map_count``).
-
-    KV managers treat it like an out-of-pages condition: they answer "cannot" so the scheduler
-    can preempt, instead of letting the kernel refuse the mapping later.
-    """
-
-
-class MemoryStateLost(RuntimeError):
-    """Undoing a failed operation failed too (the OS or driver refused even the rollback), so
-    the mapping table may no longer match what is mapped. Not a :class:`VmmError` on purpose:
-    nobody may treat it as one request's failure; the engine stops instead."""
 
 
 #: attempts at one rollback step (re-mapping a page that was mapped a moment ago) before
@@ -84,8 +64,6 @@ class MemoryBackend(ABC):
     device: torch.device
 
     def __init__(self) -> None:
-        from vmkv.memory.faults import FaultInjector
-
         self.stats = MemoryStats()
         #: failpoints: disarmed unless a test or an operator arms them (vmkv/memory/faults.py)
         self.faults = FaultInjector()

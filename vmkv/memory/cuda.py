@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from vmkv.memory.base import BackendUnavailable, MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import BackendUnavailable, VmmError
 
 
 def _load_driver() -> ModuleType:

@@ -30,7 +30,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from vmkv.memory.base import MappingBudgetExceeded, VmmError
+from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 
 logger = logging.getLogger("vmkv")
 

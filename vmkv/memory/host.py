@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import VmmError
 from vmkv.memory.faults import os_failure
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import VmmError
 
 Unit = Callable[[], object]
 _SAMPLES = 4096

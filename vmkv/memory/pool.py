@@ -29,7 +29,8 @@ import logging
 
 import numpy as np
 
-from vmkv.memory.base import MemoryBackend, VmmError
+from vmkv.memory.base import MemoryBackend
+from vmkv.memory.errors import VmmError
 
 logger = logging.getLogger("vmkv")
 
@@ -160,6 +161,22 @@ class PagePool:
                 self.release(page)
             raise
         return pages
+
+    def take(self, pages: list[int]) -> None:
+        """Take exactly ``pages`` (``ref_cnt`` 1 each): a follower repeating the allocation a
+        leader pool with the same history made. ValueError (nothing taken) if one is not
+        free."""
+        taken: list[int] = []
+        try:
+            for page in pages:
+                if not 0 <= page < self.num_pages or not self._is_free(page):
+                    raise ValueError(f"take of page {page}, which is not free")
+                self._take(page)
+                taken.append(page)
+        except BaseException:
+            for page in taken:
+                self.release(page)
+            raise
 
     def retain(self, page: int) -> None:
         """Add a reference to a page already in use."""

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vmkv.memory.base import MappingBudgetExceeded, rolled_back
+from vmkv.memory.base import rolled_back
+from vmkv.memory.errors import MappingBudgetExceeded
 from vmkv.memory.pool import PagePool
 
 UNMAPPED = -1
@@ -72,17 +73,22 @@ class VirtualRegion:
         return self.base + va_page * self.pool.page_size
 
     # -- mapping ------------------------------------------------------------------------------
-    def map_new(self, va_page: int, num: int) -> list[int] | None:
-        """Allocate ``num`` fresh pages and map them at ``va_page``; None if the pool is short.
+    def map_new(self, va_page: int, num: int, pages: list[int] | None = None
+                ) -> list[int] | None:
+        """Allocate ``num`` fresh pages (exactly ``pages`` if given: see
+        :meth:`PagePool.take`) and map them at ``va_page``; None if the pool is short.
 
         Raises MappingBudgetExceeded (nothing changed) if the run budget would be exceeded.
         """
         if num == 0:
             return []
         self._check_unmapped(va_page, num)
-        prev = int(self.page_at[va_page - 1]) if va_page > 0 else UNMAPPED
-        hint = prev + 1 if prev != UNMAPPED else None  # continue the physical run to the left
-        pages = self.pool.allocate(num, hint, self.partition)
+        if pages is not None:
+            self.pool.take(pages)
+        else:
+            prev = int(self.page_at[va_page - 1]) if va_page > 0 else UNMAPPED
+            hint = prev + 1 if prev != UNMAPPED else None  # continue the run to the left
+            pages = self.pool.allocate(num, hint, self.partition)
         if pages is None:
             return None
         try:

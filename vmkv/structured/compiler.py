@@ -2,7 +2,9 @@
 
 ``GrammarCompilerCache.compile`` is thread-safe and cached (LRU over the hashable params), so
 the server compiles a request's grammar in a worker thread before submitting it and the engine
-thread, which compiles again at ``add_request``, only finds it in the cache. Everything xgrammar
+thread, which asks again at ``add_request``, only finds it in the cache; an engine loop given a
+request whose grammar is not compiled yet compiles it on a helper thread first
+(vmkv/engine/commands.py), so steps never wait for a compile. Everything xgrammar
 cannot parse, and JSON-schema keywords it would silently not enforce, is a ``ValueError``.
 
 xgrammar (which imports pydantic) is imported on the first structured request only, so an engine
@@ -11,10 +13,11 @@ that serves none runs where it is absent (the GPU image).
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vmkv.structured.matcher import GrammarState
@@ -41,6 +44,14 @@ UNENFORCED_KEYWORDS = ("multipleOf", "contains", "minContains", "maxContains", "
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
+@dataclass
+class CacheStats:
+    """Lookups of :meth:`GrammarCompilerCache.compile` that found the grammar, and compiles."""
+
+    hits: int = 0
+    misses: int = 0
+
+
 class GrammarCompilerCache:
     """xgrammar's compiler for one tokenizer and logits width, with a cache of grammars.
 
@@ -56,7 +67,31 @@ class GrammarCompilerCache:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self.compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile)
+        self._grammars: OrderedDict[StructuredOutputsParams, xgr.CompiledGrammar] = (
+            OrderedDict())
+        self.stats = CacheStats()
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``params``, from the cache or compiled now (outside the
+        lock: other threads' lookups and compiles go on); ValueError naming what is wrong."""
+        with self._lock:
+            grammar = self._grammars.get(params)
+            if grammar is not None:
+                self._grammars.move_to_end(params)
+                self.stats.hits += 1
+                return grammar
+        grammar = self._compile(params)
+        with self._lock:
+            self.stats.misses += 1
+            self._grammars[params] = grammar
+            while len(self._grammars) > CACHE_SIZE:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def is_compiled(self, params: StructuredOutputsParams) -> bool:
+        """Whether :meth:`compile` would find ``params`` in the cache now."""
+        with self._lock:
+            return params in self._grammars
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:  # built on first use: engines without structured requests pay nothing

@@ -1,0 +1,64 @@
+"""The only code that runs a model forward: a :class:`~vmkv.executor.plan.StepPlan` in, the
+logits of its sample rows (and the prompt spans' hidden states) out. Every rank runs one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from vmkv.attention.base import AttentionBackend
+from vmkv.executor.plan import StepPlan
+from vmkv.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from vmkv.executor.cuda_graphs import DecodeGraphRunner
+
+
+class StepOutput(NamedTuple):
+    """``logits [N, vocab]`` (float32; None when the plan samples nothing) of the plan's
+    ``sample_rows``, and the hidden states ``[count, hidden]`` of each of its
+    ``prompt_spans``."""
+
+    logits: torch.Tensor | None
+    prompt_hidden: list[torch.Tensor]
+
+
+class ModelRunner:
+    """Owns the model and the attention backend of one rank; every tensor of a step is built
+    here."""
+
+    def __init__(self, model: LlamaModel, attn: AttentionBackend,
+                 graphs: DecodeGraphRunner | None = None) -> None:
+        self.model = model
+        self.attn = attn
+        self.graphs = graphs  # captured decode steps (CUDA); None runs every step eagerly
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run the step; the logits of its sample rows and the hidden states of its prompt
+        spans."""
+        hidden = self.forward(plan)  # [T, hidden]
+        prompt_hidden = [hidden[row : row + count] for row, count in plan.prompt_spans]
+        if not plan.sample_rows:
+            return StepOutput(None, prompt_hidden)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device)
+        return StepOutput(self.compute_logits(hidden.index_select(0, rows)), prompt_hidden)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The step's hidden states ``[T, hidden]`` (its K/V written to the cache)."""
+        if self.graphs is not None and self.graphs.can_run(plan.query_lens):
+            # decode-only: one copy into the bucket's static buffer, then a graph replay
+            return self.graphs.run(plan.request_ids, plan.context_lens, plan.input_ids,
+                                   plan.positions)
+        meta = self.attn.prepare(plan.request_ids, plan.context_lens, plan.query_lens)
+        ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=self.device)  # [T]
+        pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)  # [T]
+        return self.model.forward(ids, pos, self.attn, meta)  # [T, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> ``logits [N, vocab]`` (float32)."""
+        return self.model.compute_logits(hidden)
