@@ -52,8 +52,8 @@ class CpuAttentionBackend(AttentionBackend):
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
         self.batched_decode = self.batched_prefill = cpu_batches.use_kernels(kv.spec.dtype)
         #: the longest chunk the batched prefill kernel takes (longer ones: SDPA)
-        self.max_kernel_query = (1 << 62 if cpu_batches.use_amx_prefill(kv.spec.dtype, kv.spec.head_dim)
-                                 else SDPA_MIN_QUERY - 1)
+        amx = cpu_batches.use_amx_prefill(kv.spec.dtype, kv.spec.head_dim)
+        self.max_kernel_query = (1 << 62) if amx else SDPA_MIN_QUERY - 1
 
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> CpuStepMetadata:
