@@ -125,12 +125,13 @@ def gemm_args(ns: torch.Tensor | None = None) -> GemmArgs:
                     ns=ns.data_ptr() if ns is not None else None)
 
 
-def block_n(out_features: int) -> int:
-    """Output columns per packed block: the widest of 64, 32, 16 that divides
-    ``out_features`` (64 when none does: the last block is padded). 64 ran 3-10 % faster than
-    32 at prefill sizes (docs/benchmarks.md); a fused gate|up weight needs its halves to start
-    on a block (the fused layers check)."""
-    return next((bn for bn in (64, 32, 16) if out_features % bn == 0), 64)
+def block_n(out_features: int, parts: int = 1) -> int:
+    """Output columns per packed block: the widest of 64, 32, 16 that divides each of the
+    weight's ``parts`` equal parts (a fused gate|up weight: 2, so each half starts on a block),
+    64 when none does (the last block is padded). 64 ran 3-10 % faster than 32 at prefill
+    sizes (docs/benchmarks.md)."""
+    part = out_features // parts if out_features % parts == 0 else out_features
+    return next((bn for bn in (64, 32, 16) if part % bn == 0), 64)
 
 
 def pack_weight(weight: torch.Tensor, bn: int) -> torch.Tensor:

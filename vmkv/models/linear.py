@@ -133,10 +133,11 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` packed once for ``backend`` (inference only): float32 for
     mkl, bfloat16 for brgemm, either for onednn. ``out_dtype``: the result's dtype (default the
-    weight's; the brgemm backend can also give float32, for the LM head)."""
+    weight's; the brgemm backend can also give float32, for the LM head). ``parts``: the
+    outputs are that many equal parts each starting on a packed block (brgemm; gate|up: 2)."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int, backend: str,
-                 out_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None, parts: int = 1) -> None:
         super().__init__()
         dtype = linear.weight.dtype
         backend = resolve_backend(backend, dtype)  # "auto" picks; one this torch lacks: refused
@@ -150,7 +151,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"only the brgemm backend gives {self.out_dtype} from {dtype}")
         weight = linear.weight.detach()
         if backend == "brgemm":
-            packed = cpu_bf16.pack_weight(weight, cpu_bf16.block_n(self.out_features))
+            packed = cpu_bf16.pack_weight(weight, cpu_bf16.block_n(self.out_features, parts))
         elif backend == "mkl":
             packed = _mkl_pack(weight, batch_hint)
         else:
@@ -251,7 +252,8 @@ def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) 
             if chosen == "torch":
                 continue
             out = torch.float32 if name == "lm_head" and chosen == "brgemm" else None
-            setattr(parent, name, PackedLinear(child, batch_hint, chosen, out))
+            parts = 2 if name == "gate_up_proj" else 1  # the MLP's gate and up, fused
+            setattr(parent, name, PackedLinear(child, batch_hint, chosen, out, parts))
             swapped += 1
     logger.debug("packed %d linear layers for %s", swapped, backend)
     return swapped
