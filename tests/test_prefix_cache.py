@@ -67,6 +67,31 @@ def test_a_common_prefix_is_shared_not_recomputed(mode: str) -> None:
     kv.check()
 
 
+def test_virtual_keeps_a_cached_prefix_mapped_and_a_hit_adopts_it_in_place() -> None:
+    """A finished request's slot keeps the pages the cache holds; a later hit on that prefix
+    takes that very slot, with no map call; a request with another prompt taking such a slot
+    leaves the cached pages to the cache (unmapped there) and maps fresh ones."""
+    kv = virtual()
+    base = list(range(100, 140))  # 2 full units (pages) + a partial one
+    compute(kv, "a", base)
+    slot, cached = kv.slot("a"), units(kv, "a")[:2]
+    kv.free("a")
+    assert kv.mapped_pages(slot) == 3 and kv.usage.bytes_cached == 2 * 16 * 2048
+    maps = kv.memory_stats()["map"]["calls"]
+    assert maps > 0
+    assert kv.match_prefix("b", base[:33] + [7] * 10, None) == 32
+    assert kv.slot("b") == slot and units(kv, "b")[:2] == cached
+    assert kv.memory_stats()["map"]["calls"] == maps  # nothing mapped
+    kv.check()
+    kv.free("b")
+    other = list(range(500, 540))
+    for rid in ("c", "d"):  # take every idle slot; the cached prefix survives
+        assert compute(kv, rid, other if rid == "c" else [9] * 40) == 0
+    assert all(kv.pool.ref_cnt[p] >= 1 for unit in cached for p in unit)
+    assert compute(kv, "e", base) == 32 and units(kv, "e")[:2] == cached
+    kv.check()
+
+
 @pytest.mark.parametrize("mode", MAKERS)
 def test_one_differing_token_invalidates_the_chain_from_its_unit(mode: str) -> None:
     kv = MAKERS[mode]()
@@ -194,6 +219,10 @@ def test_500_random_requests_with_shared_prefixes_evictions_and_aborts(mode: str
     usage = kv.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0
     assert kv.prefix.hits > 0 and kv.prefix.queries > kv.prefix.hits
+    if mode == "virtual":  # idle slots still map the pages their last requests cached
+        assert kv.usage.bytes_cached > 0
+        for slot in sorted(kv.slots.idle):
+            kv._unmap_tail(slot, kv.slots.mapped[slot])
     # every cached unit is the cache's alone now: evicting frees all of them, nothing else
     cached, evictable = len(kv.prefix), kv.prefix.num_evictable()
     assert cached > 0 and evictable >= cached and kv.usage.bytes_cached > 0

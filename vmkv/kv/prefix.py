@@ -57,6 +57,7 @@ class PrefixCache:
         self.hash = chain_hasher(hash_name)
         self.hash_name = hash_name
         self._entries: OrderedDict[UnitHash, object] = OrderedDict()  # oldest first
+        self._hash_of: dict[object, UnitHash] = {}  # payload -> its entry's hash
         self.queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # tokens found
 
@@ -86,6 +87,19 @@ class PrefixCache:
         if unit_hash in self._entries:
             return False
         self._entries[unit_hash] = payload
+        self._hash_of.setdefault(payload, unit_hash)
+        return True
+
+    def holds(self, payload: object) -> bool:
+        """Whether some entry's payload is ``payload``."""
+        return payload in self._hash_of
+
+    def drop(self, payload: object) -> bool:
+        """Remove the entry whose payload is ``payload`` (whatever its age); False if none."""
+        unit_hash = self._hash_of.pop(payload, None)
+        if unit_hash is None:
+            return False
+        del self._entries[unit_hash]
         return True
 
     def touch(self, hashes: Iterable[UnitHash]) -> None:
@@ -99,6 +113,8 @@ class PrefixCache:
         for h, payload in self._entries.items():
             if evictable(payload):
                 del self._entries[h]
+                if self._hash_of.get(payload) == h:
+                    del self._hash_of[payload]
                 return h, payload
         return None
 
@@ -253,6 +269,18 @@ class PrefixCaching:
             self.units.unhold(entry[1])
             dropped += 1
         return dropped
+
+    def holds_payload(self, payload: object) -> bool:
+        """Whether the cache references ``payload``."""
+        return self.cache.holds(payload)
+
+    def release(self, payload: object) -> bool:
+        """Drop the cache's entry for ``payload`` and its reference, whatever its age (a KV
+        manager reusing the unit in place); False when the cache holds no such entry."""
+        if not self.cache.drop(payload):
+            return False
+        self.units.unhold(payload)
+        return True
 
     def num_evictable(self) -> int:
         """Units that evicting every cache-only entry would free."""

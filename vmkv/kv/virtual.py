@@ -25,9 +25,11 @@ Parts: :class:`~vmkv.kv.slots.SlotTable` (who holds which slot, mapped pages per
 first waits for it (:func:`_waits_for_mapper`, applied once to the class).
 
 Latency hiding: the pool may be pre-created; growth maps ``premap_pages`` extra pages when free
-pages exist (fewer, larger map calls); finished slots keep their pages (deferred reclamation)
-and a new request takes the idle slot that fits best, often needing no map call at all. Pages
-kept this way are reclaimed on demand, and beyond ``max_idle_pages`` eagerly.
+pages exist (fewer, larger map calls); finished slots keep their pages (deferred reclamation),
+also those the prefix cache holds, and a new request takes the idle slot that fits best and
+reuses its pages in place (the cache gives up the ones it held): often no map call, no page
+fault at all. Pages kept this way are reclaimed on demand, and beyond ``max_idle_pages``
+eagerly.
 """
 
 from __future__ import annotations
@@ -262,15 +264,37 @@ class VirtualKVCache(KVCacheManager):
             slot = self.slots.best_fit(need)
             if slot is None:
                 return None, 0, []
+        if request_id not in self.slots.slot_of:  # an idle slot: its own pages up to the
+            return slot, max(0, need - self._first_cached(slot)), []  # first one cached
         mapped = self.slots.mapped[slot]
         cow = []
         if num_new_tokens:
             first = self._first_va_page(slot)
-            table = self.regions[0].page_at
             for p in range(self.layout.first_page_of(cur), min(need, mapped)):
-                if self.pool.is_shared(int(table[first + p])):
+                if self._shared(first + p):
                     cow.append(p)
         return slot, max(0, need - mapped), cow
+
+    def _shared(self, va_page: int) -> bool:
+        """Whether the page at ``va_page`` has another holder (a mapping or the cache)."""
+        return self.pool.is_shared(int(self.regions[0].page_at[va_page]))
+
+    def _cached(self, va_page: int) -> bool:
+        return self.prefix is not None and self.prefix.holds_payload(
+            self.regions.pages_at(va_page))
+
+    def _mapped_elsewhere(self, va_page: int) -> bool:
+        """Whether the page at ``va_page`` is mapped somewhere else too (a fork, a prefix
+        hit); a page also held by the prefix cache alone is not."""
+        refs = self.pool.ref_cnt[int(self.regions[0].page_at[va_page])]
+        return refs - self._cached(va_page) > 1
+
+    def _first_cached(self, slot: int) -> int:
+        """Index of the first of ``slot``'s mapped pages the prefix cache holds (its mapped
+        count if none)."""
+        first = self._first_va_page(slot)
+        return next((p for p in range(self.slots.mapped[slot]) if self._cached(first + p)),
+                    self.slots.mapped[slot])
 
     def _surplus(self) -> list[tuple[int, int]]:
         """(slot, pages beyond what its tokens need) of every running request."""
@@ -311,6 +335,10 @@ class VirtualKVCache(KVCacheManager):
             self._reclaim(need - self.pool.num_free, exclude=slot)
             if need > self.pool.num_free:
                 return False
+        if request_id not in self.slots.slot_of:
+            # an idle slot may still map pages the cache holds (its last request's prefix):
+            # they stay the cache's (unmapped here, not overwritten); fresh pages replace them
+            self._unmap_tail(slot, self.slots.mapped[slot] - self._first_cached(slot))
         mapped = self.slots.mapped[slot]
         if grow:
             extra = min(self.premap_pages, self.layout.slot_pages - self.slots.mapped[slot] - grow,
@@ -346,8 +374,16 @@ class VirtualKVCache(KVCacheManager):
 
     def _occupy(self, request_id: str, pages: Sequence[Sequence[int]], num_tokens: int
                 ) -> bool:
-        """Give ``request_id`` an emptied idle slot whose first pages are ``pages[r]`` (already
-        in use: a fork's parent's, or the prefix cache's) in region ``r``."""
+        """Give ``request_id`` an idle slot whose first pages are ``pages[r]`` (already in use: a
+        fork's parent's, or the prefix cache's) in region ``r``: one that still maps them there
+        (its last holder's cached prefix: nothing to map), else an emptied one."""
+        num = len(pages[0])
+        slot = next((s for s in sorted(self.slots.idle) if self.slots.mapped[s] >= num
+                     and self.regions.pages(self._first_va_page(s), num) == pages), None)
+        if slot is not None:
+            self._unmap_tail(slot, self.slots.mapped[slot] - num)  # its own pages past them
+            self._hold_slot(request_id, slot, num_tokens)
+            return True
         slot = self.slots.emptiest()
         if slot is None:
             return False
@@ -369,19 +405,19 @@ class VirtualKVCache(KVCacheManager):
 
     def _reclaim(self, pages_wanted: int, exclude: int) -> None:
         """Unmap idle slots (largest first), then surplus tails of running slots, then evict
-        pages only the prefix cache holds."""
-        regions = len(self.regions)
+        pages only the prefix cache holds, until ``pages_wanted`` more pages are free (an
+        unmapped page the cache still holds is freed by the eviction, not the unmap)."""
+        regions, target = len(self.regions), self.pool.num_free + pages_wanted
         idle = [(s, self.slots.mapped[s]) for s in sorted(
             self.slots.idle, key=lambda s: -self.slots.mapped[s])]
         for slot, spare in idle + self._surplus():
-            if pages_wanted <= 0:
+            if self.pool.num_free >= target:
                 return
             if slot != exclude and spare > 0:
-                take = min(spare, -(-pages_wanted // regions))
+                take = min(spare, -(-(target - self.pool.num_free) // regions))
                 self._unmap_tail(slot, take)
-                pages_wanted -= take * regions
-        if pages_wanted > 0 and self.prefix is not None:
-            self.prefix.evict(pages_wanted)
+        if self.pool.num_free < target and self.prefix is not None:
+            self.prefix.evict(target - self.pool.num_free)
 
     def _kept_pages(self) -> int:
         """Pages (all regions) kept although no running request needs them: mapped in idle
@@ -420,9 +456,10 @@ class VirtualKVCache(KVCacheManager):
         del self._num_tokens[request_id]
         self._record(Forget(request_id))
         first = self._first_va_page(slot)
-        shared = any(self.pool.is_shared(int(p))
-                     for p in self.regions[0].page_at[first : first + self.slots.mapped[slot]])
-        if shared:  # keep no shared page in an idle slot: its owner would copy it needlessly
+        # an idle slot keeps its pages for the next request to reuse in place, also those the
+        # prefix cache holds (that request takes them over); but no page mapped elsewhere too
+        # (a fork, a prefix hit): its next holder would have to copy it
+        if any(self._mapped_elsewhere(first + p) for p in range(self.slots.mapped[slot])):
             self._unmap_tail(slot, self.slots.mapped[slot])
         if self.prefix is not None:
             self.prefix.forget(request_id)
@@ -535,8 +572,12 @@ class VirtualKVCache(KVCacheManager):
             phys = np.concatenate([region.page_at[va] for region in self.regions])
             np.maximum.at(useful, phys, np.tile(lv, len(self.regions)))  # shared: the largest
         cached = 0
-        if self.prefix is not None:
-            cached = sum(len(p) for p in self.prefix.holds() if self.prefix.units.is_cache_only(p))
+        if self.prefix is not None:  # held by the cache alone, or also mapped in an idle slot
+            idle = {int(p) for s in self.slots.idle for p in self.regions[0].page_at[
+                self._first_va_page(s) : self._first_va_page(s) + self.slots.mapped[s]]}
+            refs = self.pool.ref_cnt
+            cached = sum(len(p) for p in self.prefix.holds()
+                         if refs[p[0]] == 1 or (refs[p[0]] == 2 and p[0] in idle))
         return KVUsage(
             num_requests=len(self.slots.slot_of),
             num_tokens=sum(self._num_tokens.values()),
