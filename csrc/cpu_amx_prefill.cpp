@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_brgemm.h"
 #include "cpu_rows.h"
 #include "cpu_vec.h"
 
@@ -33,12 +34,6 @@
 
 using vmkv::bf16;
 
-extern "C" {
-typedef void (*VmkvBrgemm)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                           int64_t ldc, bool add_c, const bf16* a, const bf16* b, float* c,
-                           bool is_vnni);
-typedef void (*VmkvBrgemmRelease)(bool is_vnni);
-}
 
 namespace {
 

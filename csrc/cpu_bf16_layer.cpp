@@ -28,25 +28,19 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <ctime>
 #include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
+#include "cpu_brgemm.h"
+#include "cpu_lap.h"
 #include "cpu_vec.h"
 
 using vmkv::bf16;
 
 extern "C" {
-
-// at::native::cpublas::brgemm (BFloat16 overload): C[m, n] (+)= A[m, k] B[k, n] with B in VNNI
-// pairs (is_vnni), row strides lda, ldb, ldc; and brgemm_release (the thread's AMX state).
-typedef void (*VmkvBrgemm)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                           int64_t ldc, bool add_c, const bf16* a, const bf16* b, float* c,
-                           bool is_vnni);
-typedef void (*VmkvBrgemmRelease)(bool is_vnni);
 
 // A packed linear layer: W^T in ceil(N / block_n) blocks of [K / 2][block_n][2] (zero-padded
 // columns in the last block), an optional bf16 bias [N].
@@ -87,25 +81,6 @@ constexpr int64_t kSmallRows = 64;     // up to this many rows: one row tile (de
 constexpr int64_t kMaxTileRows = 256;  // rows per ukernel call beyond it (prefill)
 constexpr int64_t kMaxBlockN = 64;     // widest column block a weight may be packed in
 constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
-
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
-// Profiling: adds the time since `start` to counter `part` (0 gemm, 1 elementwise).
-struct Lap {
-  int64_t* ns;
-  int64_t start;
-  explicit Lap(int64_t* counters) : ns(counters), start(counters ? now_ns() : 0) {}
-  void operator()(int part) {
-    if (ns == nullptr) return;
-    const int64_t t = now_ns();
-    ns[part] += t - start;
-    start = t;
-  }
-};
 
 bool bad_linear(const VmkvBf16Linear& w, int64_t in, int64_t out) {
   return w.packed == nullptr || w.in_features != in || w.out_features != out ||

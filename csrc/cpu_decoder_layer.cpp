@@ -24,13 +24,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <ctime>
 
+#include "cpu_lap.h"
 #include "cpu_vec.h"
 
 namespace {
 
 using vmkv::exp_approx;
+using vmkv::Lap;
 
 // MKL's CBLAS constants (mkl_cblas.h) and cblas_sgemm_compute's signature (LP64: MKL_INT = int)
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
@@ -71,23 +72,6 @@ struct VmkvLayerShape {
 }  // extern "C"
 
 namespace {
-
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
-// Adds the time since `start` to counter `part` (0 gemm, 1 elementwise) when profiling;
-// returns the new start.
-int64_t lap(const VmkvLayerShape* s, int part, int64_t start) {
-  if (s->ns == nullptr) return 0;
-  const int64_t t = now_ns();
-  s->ns[part] += t - start;
-  return t;
-}
-
-int64_t begin(const VmkvLayerShape* s) { return s->ns == nullptr ? 0 : now_ns(); }
 
 // out [t, n] = a [t, k] (row stride lda) W^T (+ bias), W packed.
 void linear(const VmkvLayerShape* s, const VmkvPackedLinear& w, const float* a, int64_t lda,
@@ -169,15 +153,15 @@ int vmkv_layer_attn_in(const VmkvLayerShape* s, const VmkvDecoderLayer* w, const
   if (t == 0) return 0;
   const int64_t hidden = s->hidden, d = s->head_dim;
   const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * d;
-  int64_t start = begin(s);
+  Lap lap(s->ns);
   rms_norm(x, w->input_norm, t, hidden, s->eps, h);
-  start = lap(s, 1, start);
+  lap(1);
   linear(s, w->qkv, h, hidden, t, qkv);
-  start = lap(s, 0, start);
+  lap(0);
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r)
     rope_row(qkv + r * width, cos + r * d, ssin + r * d, s->num_heads + s->num_kv_heads, d);
-  lap(s, 1, start);
+  lap(1);
   return 0;
 }
 
@@ -189,21 +173,21 @@ int vmkv_layer_attn_out(const VmkvLayerShape* s, const VmkvDecoderLayer* w, floa
   if (bad_shape(s, w, t) || attn_stride < s->num_heads * s->head_dim) return 1;
   if (t == 0) return 0;
   const int64_t hidden = s->hidden, inter = s->intermediate;
-  int64_t start = begin(s);
+  Lap lap(s->ns);
   linear(s, w->o, attn, attn_stride, t, h);
-  start = lap(s, 0, start);
+  lap(0);
   add_rows(x, h, t * hidden);
   rms_norm(x, w->post_norm, t, hidden, s->eps, h);
-  start = lap(s, 1, start);
+  lap(1);
   linear(s, w->gate_up, h, hidden, t, gu);
-  start = lap(s, 0, start);
+  lap(0);
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r) silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter);
-  start = lap(s, 1, start);
+  lap(1);
   linear(s, w->down, gu, 2 * inter, t, h);
-  start = lap(s, 0, start);
+  lap(0);
   add_rows(x, h, t * hidden);
-  lap(s, 1, start);
+  lap(1);
   return 0;
 }
 

@@ -132,3 +132,18 @@ def save_random_model(hf_config: Any, path: Path, *, seed: int = 0,
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     hf_model.save_pretrained(path, **kwargs)
     return hf_model.eval()
+
+
+#: a tiny Llama (GQA 4/2, head_dim 16) for kernel-level equality tests
+TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def save_tiny_llama(path: Path, *, bias: bool) -> Any:
+    """:data:`TINY_LLAMA` with random weights saved to ``path``, with every linear's bias or
+    none (the reference model is returned)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**TINY_LLAMA, attention_bias=bias, mlp_bias=bias)
+    return save_random_model(config, path, seed=3)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from model_helpers import make_kv, prefill_logits, save_random_model
+from model_helpers import make_kv, prefill_logits, save_tiny_llama
 from skip_policy import require_bf16_kernels, require_default_model
 
 from vmkv import LLM, SamplingParams
@@ -29,9 +29,6 @@ from vmkv.models import load_model
 from vmkv.models.default_model import resolve_model
 from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
 BF16 = torch.bfloat16
 
 
@@ -44,10 +41,8 @@ def _bf16() -> None:
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Path:
     """A tiny random Llama without biases, or with every linear's bias."""
-    bias = request.param == "all-biases"
     path = tmp_path_factory.mktemp(request.param)
-    save_random_model(transformers.LlamaConfig(**TINY, attention_bias=bias, mlp_bias=bias),
-                      path, seed=3)
+    save_tiny_llama(path, bias=request.param == "all-biases")
     return path
 
 
