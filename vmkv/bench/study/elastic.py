@@ -109,7 +109,9 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                f"requests ({num(trace['max_tokens'])} new tokens each), "
                f"{num(trace['idle_s'])} s idle after each; KV budget "
                f"{num(raw['kv_cache_memory'])} bytes; virtual with --max-idle-memory "
-               f"{num(raw['max_idle_memory'])}."])
+               f"{num(raw['max_idle_memory'])}. Paged mode's block pool is anonymous memory "
+               "(in RSS, not in a memfd); virtual mode's pool is a memfd (RssShmem: what the "
+               "process has mapped; memfd: what the pool holds)."])
     pool_fig = Figure(
         name="elastic-kv-pool",
         question="Does the KV pool follow the live KV bytes, or stay at its start-up size?",

@@ -214,7 +214,8 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                f"{num(o['virtual_mean_ttft_s'])} / {num(o['paged_mean_ttft_s'])}"]
               for n, o in offline.items()],
         command=cmd["offline"], draw=_draw_offline(offline),
-        notes=[f"Mixes (random token ids, seed 0, {num(count)} requests each, greedy, exact output lengths): {mixes}. Dtypes: "
+        notes=[f"Mixes (random token ids, seed 0, {num(count)} requests each, greedy, exact "
+               f"output lengths): {mixes}. Dtypes: "
                f"{', '.join(raw['dtypes'])} ({raw['dtype_reason']})."])
     p = s["prefix"]
     pw = raw["prefix"]["workload"]

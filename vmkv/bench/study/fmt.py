@@ -10,7 +10,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?!\w)")
+#: a number token: 1,234 or 12 or -0.5 or 1.5e-05, not digits inside words (fp32, 16K)
+NUMBER = re.compile(r"(?<![\w.,])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?(?!\w|\.\w)")
 
 
 def num(value: Any) -> str:

@@ -93,6 +93,7 @@ def replay(layout: str, page: int, *, batch: int, steps: int, compute_ms: float,
             "stall_ms_total": sum(stall_us) / 1e3, "stall_us_mean": statistics.fmean(stall_us),
             "stall_us_p50": statistics.median(stall_us),
             "stall_us_p99": sorted(stall_us)[min(len(stall_us) - 1, int(0.99 * len(stall_us)))],
+            "step_ms_mean": (sum(stall_us) + sum(compute_us)) / len(stall_us) / 1e3,
             "stall_pct_of_step": 100 * sum(stall_us) / (sum(stall_us) + sum(compute_us))}
 
 
@@ -122,7 +123,8 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
             "hidden_pct": 100 * (1 - on["stall_ms_total"] / off["stall_ms_total"])
             if off["stall_ms_total"] else None,
             "stall_off_pct_of_step": off["stall_pct_of_step"],
-            "stall_on_pct_of_step": on["stall_pct_of_step"]}
+            "stall_on_pct_of_step": on["stall_pct_of_step"],
+            "step_off_ms": off["step_ms_mean"], "step_on_ms": on["step_ms_mean"]}
     return {"hidden": hidden, "lookahead_tokens": PREMAP_LOOKAHEAD_TOKENS,
             "prompt_tokens": PROMPT_TOKENS}
 
@@ -185,11 +187,12 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
         question="How much of the mapping does a background mapper thread hide from a decode "
                  "step on this machine?",
         columns=["layout, page", "mapper", "map calls", "stall ms (total)", "stall µs mean",
-                 "p50", "p99", "stall % of step", "mapper busy ms", "compute ms / step"],
-        rows=[[f"{r['layout']} {r['page_size']} B", "on" if r["mapper"] else "off",
+                 "p50", "p99", "stall % of step", "mapper busy ms", "compute ms / step",
+                 "step ms"],
+        rows=[[f"{r['layout']} {num(r['page_size'])} B", "on" if r["mapper"] else "off",
                r["map_calls"], r["stall_ms_total"], r["stall_us_mean"], r["stall_us_p50"],
                r["stall_us_p99"], r["stall_pct_of_step"], r["mapper_busy_ms"],
-               r["compute_ms_mean"]] for r in replays],
+               r["compute_ms_mean"], r["step_ms_mean"]] for r in replays],
         command=cmd["replay"], draw=_draw_replay(replays),
         notes=[f"{num(replays[0]['batch'])} requests of {num(s['prompt_tokens'])} tokens grow "
                f"by one token per step for {num(replays[0]['steps'])} steps; the mapper maps "
@@ -197,7 +200,10 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
     reading = [f"{k}: the step waits {num(v['stall_off_ms'])} ms in all for mapping with the "
                f"mapper off ({num(v['stall_off_pct_of_step'])} % of the step) and "
                f"{num(v['stall_on_ms'])} ms with it on ({num(v['stall_on_pct_of_step'])} %): "
-               f"{num(v['hidden_pct'])} % hidden." for k, v in s["hidden"].items()]
+               f"{num(v['hidden_pct'])} % hidden. A whole step (compute + wait) takes "
+               f"{num(v['step_off_ms'])} ms with the mapper off and {num(v['step_on_ms'])} ms "
+               "with it on: on a CPU the mapper thread runs on the cores the compute uses."
+               for k, v in s["hidden"].items()]
     return Section(TITLE, reading, [ops, replay_fig])
 
 

@@ -122,10 +122,11 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                f"engine's default virtual setting ({s['engine_default_setting']}) "
                f"{num(v['engine_default_pct'])} %, best virtual {v['best_virtual_setting']} "
                f"{num(v['best_virtual_pct'])} %." for m, v in s["mixes"].items()])
-    reading = ["Small pages of every layer at once (all-layers) waste less than 16-token "
-               "blocks; per-layer pages keep each layer's rows contiguous (what the CPU decode "
-               "kernel wants) and waste up to a page per layer per request. " + " ".join(
-                   mix_fig.notes)]
+    reading = ["A request wastes at most the unused end of its last block (paged) or of its "
+               "last page in every region (virtual: one region for all-layers pages, which hold "
+               "a few tokens of every layer; one per layer and K/V for per-layer pages, which "
+               "keep each layer's rows contiguous, as the CPU decode kernel reads them). "
+               + " ".join(mix_fig.notes)]
     return Section(TITLE, reading, [seed_fig, mix_fig])
 
 

@@ -57,7 +57,7 @@ def _wanted(part: ModuleType, doc: dict[str, Any], scale: Scale, parts: Sequence
     if part.NAME == gpu.NAME or force or part.NAME in parts:
         return True
     done = doc["parts"].get(part.NAME)
-    return parts == () and (done is None or "error" in done or done["scale"] != scale.name)
+    return not parts and (done is None or "error" in done or done["scale"] != scale.name)
 
 
 def measure(part: ModuleType, number: int, scale: Scale, out_arg: str, *, progress: bool,

@@ -22,7 +22,7 @@ from vmkv.bench.study.counters import tlb_readable
 from vmkv.bench.study.figure import Figure, Section
 from vmkv.bench.study.fmt import num
 from vmkv.bench.study.scale import TAX_VARIANTS, Scale
-from vmkv.config import HOST_PAGE_SIZE, default_layout
+from vmkv.config import CPU_PREMAP_PAGES, HOST_PAGE_SIZE, default_layout
 
 NAME, TITLE = "tax", "The virtual tax"
 MAPPER_ON_CPU = ("CPU engines run no background mapper: the host has nothing that computes "
@@ -47,7 +47,8 @@ def tasks(scale: Scale, raw: dict[str, Any]) -> list[tuple[str, Callable[[], Non
 
     def engines() -> None:
         requests, raw["workload"] = runs.mix_workload(scale, scale.tax_mix)
-        configs = {v: runs.engine_config(scale, **TAX_VARIANTS[v]) for v in scale.tax_variants}
+        configs = {v: runs.engine_config(scale, kv_cache_memory=scale.tax_kv_cache_memory,
+                                         **TAX_VARIANTS[v]) for v in scale.tax_variants}
         raw["variants"] = {v: {"fields": TAX_VARIANTS[v], "page_size": page_size(
             TAX_VARIANTS[v])} for v in scale.tax_variants}
         with runs.built(configs) as made:
@@ -89,7 +90,8 @@ def run_numbers(run: dict[str, Any], page: int | None, touch_us: dict[int, float
         "create_ms": creates["ms"], "first_touch_ms": touch_ms,
         "minor_faults": run["minor_faults"],
         "minor_faults_per_step": run["minor_faults"] / run["steps"],
-        "tlb": run["tlb"],
+        "tlb_misses_per_step": ({e: n / run["steps"] for e, n in run["tlb"].items()
+                                 if isinstance(n, int)} if run["tlb"] else None),
         "map_pct": 100 * maps["ms"] / wall_ms, "create_pct": 100 * creates["ms"] / wall_ms,
         "first_touch_pct": 100 * touch_ms / wall_ms,
         "tax_pct": 100 * (maps["ms"] + creates["ms"] + touch_ms) / wall_ms,
@@ -106,8 +108,9 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
     variants: dict[str, Any] = {}
     for name, numbers in per.items():
         med = {k: statistics.median(n[k] for n in numbers) for k in numbers[0]
-               if k != "tlb"}
-        med["tlb"] = numbers[0]["tlb"]
+               if k != "tlb_misses_per_step"}
+        med["tlb_misses_per_step"] = numbers[0]["tlb_misses_per_step"]  # first repetition
+        med["engine_init_s"] = raw["startup"][name]["engine_init_s"]
         times = {r["repeat"]: r["elapsed_s"] for r in raw["runs"] if r["mode"] == name}
         if paged and name != "paged":
             med["time_vs_paged_pct"] = statistics.median(
@@ -118,9 +121,19 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
         for phase in result["phases"]:
             steps[f"{mode} {phase['phase']}"] = {p: phase[p] for p in (*profile.PARTS,
                                                                       "step_ms")}
+    layout = default_layout("cpu")
+    cpu_default = {"kv_layout": layout, "page_size": HOST_PAGE_SIZE[layout],
+                   "premap_pages": CPU_PREMAP_PAGES}
     return {"variants": variants, "profile_steps": steps, "tlb_counters": tlb_readable(),
+            "cpu_default": cpu_default,
             "background_mapper": MAPPER_ON_CPU,
             "touch_us_per_page": {str(k): v for k, v in touch_us.items()}}
+
+
+def _tlb_cell(per_step: dict[str, float] | None) -> str:
+    if not per_step:
+        return "not readable"
+    return ", ".join(f"{e} {num(n)}" for e, n in per_step.items())
 
 
 def _draw_shares(variants: dict[str, Any]) -> Callable[[str], None]:
@@ -177,10 +190,12 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                  "layout, pre-mapping and pool, and how does the run time compare with paged?",
         columns=["variant", "out tok/s", "step ms", "map+unmap calls", "map+unmap ms",
                  "pages created", "create+release ms", "first touch ms (est.)",
-                 "minor faults / step", "tax % of run", "run time vs paged %"],
+                 "minor faults / step", "TLB misses / step", "tax % of run",
+                 "run time vs paged %", "engine start s"],
         rows=[[n, v["output_tokens_per_s"], v["step_ms"], v["map_calls"], v["map_ms"],
                v["pages_created"], v["create_ms"], v["first_touch_ms"],
-               v["minor_faults_per_step"], v["tax_pct"], v.get("time_vs_paged_pct")]
+               v["minor_faults_per_step"], _tlb_cell(v["tlb_misses_per_step"]), v["tax_pct"],
+               v.get("time_vs_paged_pct"), v["engine_init_s"]]
               for n, v in variants.items()],
         command=cmd["variants"], draw=_draw_shares(variants),
         notes=[f"Workload: the {raw['workload']['mix']} mix, "
@@ -192,6 +207,10 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                    f"{k} B: {num(v)}" for k, v in s["touch_us_per_page"].items()) + ".",
                ("TLB misses: " + (tlb["reason"] if tlb["readable"] else
                                   f"**not readable on this machine** ({tlb['reason']}).")),
+               "Zeroing: a page created during a run is zero-filled by the kernel at its first "
+               "touch (the estimate above); paged mode zero-fills its whole block pool, and a "
+               "pre-created virtual pool is allocated, while the engine starts (engine start "
+               "s), outside the measured runs.",
                f"Background mapper: {s['background_mapper']}"])
     steps = s["profile_steps"]
     parts = ["step_ms", *profile.PARTS]
@@ -205,8 +224,10 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
     default = variants.get("virtual", {})
     reading = []
     if default:
+        d = s["cpu_default"]
         reading.append(
-            f"The CPU default (virtual, per-layer 16K pages, premap 2) spends "
+            f"The CPU default (virtual, {d['kv_layout']} layout, {num(d['page_size'])}-byte "
+            f"pages, {num(d['premap_pages'])} pages mapped ahead per growth) spends "
             f"{num(default['map_pct'])} % of the run in map and unmap calls "
             f"({num(default['map_calls'])} calls), {num(default['create_pct'])} % creating and "
             f"releasing pages and an estimated {num(default['first_touch_pct'])} % in the first "
