@@ -236,12 +236,14 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
         question="Online, through the HTTP server, at half the offline capacity and with "
                  "everything at once: how do the two modes compare?",
         columns=["rate req/s", "virtual out tok/s", "paged out tok/s", "virtual / paged",
-                 "TTFT ms virtual / paged", "TPOT ms virtual / paged", "completed / failed"],
+                 "TTFT ms virtual / paged", "TPOT ms virtual / paged",
+                 "completed / failed: virtual, paged"],
         rows=[[v["rate"], v["virtual_output_throughput"], v["paged_output_throughput"],
                v["ratio"], f"{num(v['virtual_mean_ttft_ms'])} / {num(v['paged_mean_ttft_ms'])}",
                f"{num(v['virtual_mean_tpot_ms'])} / {num(v['paged_mean_tpot_ms'])}",
-               f"{num(v['virtual_completed'] + v['paged_completed'])} / "
-               f"{num(v['virtual_failed'] + v['paged_failed'])}"] for v in on.values()],
+               f"{num(v['virtual_completed'])} / {num(v['virtual_failed'])}, "
+               f"{num(v['paged_completed'])} / {num(v['paged_failed'])}"]
+              for v in on.values()],
         command=cmd["online"], draw=_draw_online(on),
         notes=[f"The balanced mix, {num(raw['online']['workload']['num_requests'])} requests, "
                f"float32; offline capacity {num(raw['online']['capacity_requests_per_s'])} "

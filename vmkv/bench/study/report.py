@@ -44,7 +44,8 @@ def _kernel_sentence(t: dict[str, Any]) -> str | None:
     else:
         how = "reads K/V as fast through a block table as from a contiguous slot"
     return (f"**The kernel** {how}: paged / virtual decode time per layer {num(ratio)} "
-            f"(median, {t['engine_default']}; part 2).")
+            f"(median over {num(t['engine_default_points'])} batch × context points at the "
+            f"engine's {t['engine_layout']} layout; part 2).")
 
 
 def _tax_sentence(x: dict[str, Any]) -> str | None:
@@ -53,7 +54,7 @@ def _tax_sentence(x: dict[str, Any]) -> str | None:
         return None
     slower = v.get("time_vs_paged_pct")
     vs = ("" if slower is None else
-          f"; that engine's run took {num(abs(slower))} % "
+          f"; that engine's run took {num(v['time_vs_paged_abs_pct'])} % "
           f"{'longer' if slower > 0 else 'less'} than paged's on the same requests")
     return (f"**The virtual tax** of the default engine (map and unmap calls, page creation, "
             f"the first touch of fresh pages) is {num(v['tax_pct'])} % of the run: "
@@ -135,11 +136,12 @@ def _runs(doc: dict[str, Any]) -> list[str]:
     rows = []
     for name, p in doc["parts"].items():
         if "error" in p:
-            rows.append([name, p["scale"], "failed", p["error"], ""])
+            rows.append([name, p["scale"], "failed", p["error"], "", ""])
         else:
             rows.append([name, p["scale"], p["seconds"], p["finished"],
-                         ", ".join(num(x) for x in p["load_average_before"])])
-    return table(["part", "scale", "seconds", "finished", "load average before"], rows)
+                         ", ".join(num(x) for x in p["load_average_before"]), p["commit"]])
+    return table(["part", "scale", "seconds", "finished", "load average before", "commit"],
+                 rows)
 
 
 def _figure(fig: Figure, out: Path) -> list[str]:

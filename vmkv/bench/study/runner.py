@@ -61,7 +61,7 @@ def _wanted(part: ModuleType, doc: dict[str, Any], scale: Scale, parts: Sequence
 
 
 def measure(part: ModuleType, number: int, scale: Scale, out_arg: str, *, progress: bool,
-            gpu_results: str | None) -> dict[str, Any]:
+            gpu_results: str | None, commit: str | None) -> dict[str, Any]:
     """Run one part's tasks under a progress bar; its record for study.json."""
     from tqdm import tqdm
 
@@ -76,7 +76,7 @@ def measure(part: ModuleType, number: int, scale: Scale, out_arg: str, *, progre
     bar.close()
     raw = json.loads(json.dumps(raw, default=str))  # summarised as it is stored
     command = study_command(scale, out_arg, [part.NAME])
-    return {"number": number, "title": part.TITLE, "scale": scale.name,
+    return {"number": number, "title": part.TITLE, "scale": scale.name, "commit": commit,
             "scale_settings": scale.as_dict(), "seconds": time.monotonic() - started,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "load_average_before": list(load_before), "load_average_after":
@@ -110,7 +110,8 @@ def run(out: Path, scale: Scale, *, out_arg: str | None = None, parts: Sequence[
                   f"{scale.name} scale on 2 cores", flush=True)
         try:
             doc["parts"][part.NAME] = measure(part, number, scale, out_arg,
-                                              progress=progress, gpu_results=gpu_results)
+                                              progress=progress, gpu_results=gpu_results,
+                                              commit=doc["environment"]["commit"])
         except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
             failed = True
             doc["parts"][part.NAME] = {"number": number, "title": part.TITLE,

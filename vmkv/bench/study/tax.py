@@ -115,6 +115,7 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
         if paged and name != "paged":
             med["time_vs_paged_pct"] = statistics.median(
                 100 * (times[i] / paged[i] - 1) for i in times)
+            med["time_vs_paged_abs_pct"] = abs(med["time_vs_paged_pct"])
         variants[name] = med
     steps = {}
     for mode, result in raw.get("profile", {}).items():

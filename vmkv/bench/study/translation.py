@@ -62,9 +62,10 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
         g.update(median=statistics.median(g["ratios"]), min=min(g["ratios"]),
                  max=max(g["ratios"]), points=len(g["ratios"]))
     default = f"{variant_name(raw['runs'][0])}: cpu decode"
-    return {"groups": groups, "engine_default": default,
-            "engine_default_decode_ratio": groups[default]["median"] if default in groups
-            else None}
+    found = groups.get(default)
+    return {"groups": groups, "engine_default": default, "engine_layout": LAYOUTS[0],
+            "engine_default_decode_ratio": found["median"] if found else None,
+            "engine_default_points": found["points"] if found else 0}
 
 
 def _plots() -> Any:
@@ -121,10 +122,10 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
         rows=[[k, g["points"], g["median"], g["min"], g["max"]] for k, g in groups.items()],
         command=cmd["variants"], draw=_draw_variants(groups)))
     ratio = s["engine_default_decode_ratio"]
-    reading = ([f"At the CPU engine's layout ({s['engine_default']}), the paged decode kernel "
+    reading = ([f"At the CPU engine's {s['engine_layout']} layout, the paged decode kernel "
                 f"takes {num(ratio)}× the virtual one's time per layer (median over "
-                f"{num(groups[s['engine_default']]['points'])} points; above 1 the block table "
-                "costs time, below 1 the contiguous slot does)."] if ratio is not None else [])
+                f"{num(s['engine_default_points'])} points; above 1 the block table costs time, "
+                "below 1 the contiguous slot does)."] if ratio is not None else [])
     return Section(TITLE, reading, figures)
 
 
