@@ -20,14 +20,14 @@ TLB_EVENTS = ("dTLB-load-misses", "dTLB-store-misses", "iTLB-load-misses")
 
 
 def _parse_perf_csv(text: str) -> dict[str, int | str]:
-    """``perf stat -x,`` lines -> {event: count, or "<not supported>"/"<not counted>"}."""
+    """``perf stat -x,`` lines -> {event: count, or why not: "not supported"/"not counted"}."""
     found: dict[str, int | str] = {}
     for line in text.splitlines():
         fields = line.split(",")
         if len(fields) < 3 or fields[2] not in TLB_EVENTS:
             continue
         value = fields[0]
-        found[fields[2]] = int(value) if value.isdigit() else value
+        found[fields[2]] = int(value) if value.isdigit() else value.strip("<>")
     return found
 
 

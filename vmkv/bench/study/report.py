@@ -105,9 +105,26 @@ def answer(doc: dict[str, Any]) -> list[str]:
                        f"{num(m['engine_default_pct'])} % of the KV memory useful against "
                        f"{num(m['paged_pct'])} % for 16-token blocks (part 1).")
     why = [w for w in why if w]
+    if doc.get("answer"):
+        why.append(_sum_sentence(doc["answer"]))
     if why:
         lines += ["", "Why:", ""] + [f"- {w}" for w in why]
     return lines
+
+
+def _direction(pct: float) -> str:
+    return "faster" if pct > 0 else "slower"
+
+
+def _sum_sentence(a: dict[str, Any]) -> str:
+    kernel = ("saves" if a["kernel_gain_pct"] >= 0 else "adds")
+    return (f"**In sum** (an estimate from parts 2 and 3): the virtual kernel {kernel} "
+            f"{num(a['kernel_gain_abs_pct'])} % of a decode step (attention is "
+            f"{num(a['attention_share_pct'])} % of it) and the tax costs {num(a['tax_pct'])} % "
+            f"of a run, which predicts virtual {num(a['expected_abs_pct'])} % "
+            f"{_direction(a['expected_pct'])} than paged; measured: "
+            f"{num(a['measured_abs_pct'])} % {_direction(a['measured_pct'])} (mix × dtype "
+            f"medians from {num(a['measured_min_pct'])} to {num(a['measured_max_pct'])} %).")
 
 
 def _machine(doc: dict[str, Any]) -> list[str]:

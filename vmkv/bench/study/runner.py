@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from vmkv.bench.study import PART_NAMES, PARTS, gpu
+from vmkv.bench.study.answer import synthesis
 from vmkv.bench.study.counters import tlb_readable
 from vmkv.bench.study.environment import describe
 from vmkv.bench.study.scale import Scale
@@ -119,6 +120,7 @@ def run(out: Path, scale: Scale, *, out_arg: str | None = None, parts: Sequence[
                                        "traceback": traceback.format_exc()}
             print(f"{part.NAME} failed: {exc!r}", flush=True)
         save(doc, out)
+    doc["answer"] = synthesis({k: v for k, v in doc["parts"].items() if "summary" in v})
     save(doc, out)
     report.write(doc, out)
     print(f"wrote {out / 'study.md'}, {out / JSON_PATH} and {out / report.IMAGES}/")

@@ -166,16 +166,19 @@ def _draw_profile(steps: dict[str, Any]) -> Callable[[str], None]:
     def draw(path: str) -> None:
         from vmkv.bench.plots import pyplot, save
 
-        names = list(steps)
-        fig, ax = pyplot().subplots(figsize=(8, 3.6))
-        bottom = [0.0] * len(names)
-        for part in profile.PARTS:
-            values = [steps[n][part] for n in names]
-            ax.bar(range(len(names)), values, bottom=bottom, label=part)
-            bottom = [a + b for a, b in zip(bottom, values, strict=True)]
-        ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.set(ylabel="ms per step", yscale="log")
-        ax.legend(fontsize=7)
+        phases = sorted({n.split()[-1] for n in steps})  # decode, prefill
+        fig, axes = pyplot().subplots(1, len(phases), figsize=(4.5 * len(phases), 3.6),
+                                      squeeze=False)
+        for ax, phase in zip(axes[0], phases, strict=True):
+            names = [n for n in steps if n.endswith(phase)]
+            bottom = [0.0] * len(names)
+            for part in profile.PARTS:
+                values = [steps[n][part] for n in names]
+                ax.bar(range(len(names)), values, bottom=bottom, label=part)
+                bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+            ax.set_xticks(range(len(names)), names, fontsize=8)
+            ax.set(ylabel="ms per step", title=phase)
+        axes[0][0].legend(fontsize=7)
         save(fig, path)
 
     return draw
