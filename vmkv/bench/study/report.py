@@ -190,7 +190,8 @@ def render(doc: dict[str, Any], out: Path) -> str:
     if scale != "full":
         lines += [f"*This is a `{scale}` run: fewer and shorter requests than the full study, "
                   "on a machine that may have been busy; it shows the study's shape, not this "
-                  "machine's performance.*", ""]
+                  f"machine's performance. The full study: `{doc['study']['full_command']}`.*",
+                  ""]
     lines += [f"Reproduce on your machine: `{doc['study']['command']}` (resumable; `--parts` "
               "and `--force` rerun parts; `--quick` for a short run).", ""]
     history = out / "results" / "HISTORY.md"

@@ -26,7 +26,7 @@ from vmkv.bench.study import PART_NAMES, PARTS, gpu
 from vmkv.bench.study.answer import synthesis
 from vmkv.bench.study.counters import tlb_readable
 from vmkv.bench.study.environment import describe
-from vmkv.bench.study.scale import Scale
+from vmkv.bench.study.scale import FULL, Scale
 
 JSON_PATH = Path("results/study.json")
 
@@ -100,6 +100,7 @@ def run(out: Path, scale: Scale, *, out_arg: str | None = None, parts: Sequence[
     doc = load(out)
     doc["environment"] = describe(tlb_readable())
     doc["study"] = {"command": study_command(scale, out_arg), "scale": scale.name,
+                    "full_command": study_command(FULL, out_arg),
                     "parts": {name: number for number, name in enumerate(PART_NAMES, 1)}}
     failed = False
     for number, part in enumerate(PARTS, 1):
