@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements in docs/benchmarks.md ("Final measurements" and the earlier "Measured
+# The measurements in docs/results/HISTORY.md ("Final measurements" and the earlier "Measured
 # results"), exactly as run. From the
 # repository root after `make setup`; about an hour on a 2-core VM. Results go to
 # docs/results/*.json, plots to docs/images/*.png. Set ONLY=name to run one of them.

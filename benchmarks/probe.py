@@ -1,106 +1,16 @@
-"""What the operating system sees of a running ``vmkv serve`` process, sampled from outside it,
-for the reliability benchmarks (soak.py, elastic_memory.py).
-
-- ``memfd``: bytes the KV pool's memfd really holds (``st_blocks`` through /proc/PID/fd): pages
-  that are unmapped but still allocated count here, and not in RSS;
-- ``rss``: the process's resident set (psutil);
-- ``shmem`` / ``mem_available``: /proc/meminfo, system-wide (other processes move them too);
-- the server's own /metrics gauges (KV bytes in use, held, allocated, cached; queue lengths).
-"""
+"""What the operating system sees of a running ``vmkv serve`` process, for the reliability
+benchmarks (soak.py, elastic_memory.py, abuse.py): the sampling lives in
+:mod:`vmkv.bench.os_memory` (also used by ``vmkv bench study``); this module adds saving."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import httpx
-import psutil
-from prometheus_client.parser import text_string_to_metric_families
+from vmkv.bench.os_memory import Sampler, memfd_bytes, meminfo, sample, scrape
 
-POOL_FD_NAME = "memfd:vmkv-kv-pool"
-METRICS = {
-    "in_use": "vmkv:kv_physical_bytes_in_use",
-    "held": "vmkv:kv_physical_bytes_held",
-    "allocated": "vmkv:kv_pool_allocated_bytes",
-    "cached": "vmkv:kv_prefix_cached_bytes",
-    "token_bytes": "vmkv:kv_token_bytes",
-    "running": "vmkv:num_requests_running",
-    "waiting": "vmkv:num_requests_waiting",
-    "preemptions": "vmkv:num_preemptions_total",
-}
-
-
-def memfd_bytes(pid: int) -> int:
-    """Bytes allocated in the process's KV pool memfd(s), as the kernel counts them."""
-    total = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if POOL_FD_NAME in os.readlink(fd):
-                total += os.stat(fd).st_blocks * 512
-        except OSError:  # closed meanwhile
-            continue
-    return total
-
-
-def meminfo() -> dict[str, int]:
-    """``Shmem`` and ``MemAvailable`` of /proc/meminfo, in bytes."""
-    values = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, rest = line.split(":", 1)
-        if name in ("Shmem", "MemAvailable"):
-            values[name] = int(rest.split()[0]) * 1024
-    return {"shmem": values["Shmem"], "mem_available": values["MemAvailable"]}
-
-
-def scrape(client: httpx.Client, url: str) -> dict[str, float]:
-    """The /metrics gauges of :data:`METRICS`, plus rejected requests by reason."""
-    text = client.get(f"{url}/metrics", timeout=30).text
-    found: dict[str, float] = {}
-    names = {v: k for k, v in METRICS.items()}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                found[names[sample.name]] = sample.value
-            elif sample.name == "vmkv:requests_rejected_total":
-                found[f"rejected_{sample.labels['reason']}"] = sample.value
-    return found
-
-
-def sample(pid: int, client: httpx.Client, url: str, started: float) -> dict[str, Any]:
-    """One row of the time series."""
-    row: dict[str, Any] = {"t": round(time.monotonic() - started, 2),
-                           "rss": psutil.Process(pid).memory_info().rss,
-                           "memfd": memfd_bytes(pid), **meminfo()}
-    with contextlib.suppress(httpx.HTTPError):  # draining or gone: the OS numbers still count
-        row.update(scrape(client, url))
-    return row
-
-
-class Sampler(threading.Thread):
-    """Samples a server every ``interval`` seconds until :meth:`stop`; rows in ``rows``."""
-
-    def __init__(self, pid: int, url: str, interval: float, started: float) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.url, self.interval, self.started = pid, url, interval, started
-        self.rows: list[dict[str, Any]] = []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client() as client:
-            while not self._stop_event.is_set():
-                self.rows.append(sample(self.pid, client, self.url, self.started))
-                self._stop_event.wait(self.interval)
-
-    def stop(self) -> list[dict[str, Any]]:
-        self._stop_event.set()
-        self.join()
-        return self.rows
+__all__ = ["Sampler", "memfd_bytes", "meminfo", "sample", "save", "scrape"]
 
 
 def save(result: dict[str, Any], json_path: str | None, plot_path: str | None,

@@ -199,6 +199,18 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_study(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vmkv.bench.study import runner
+    from vmkv.bench.study.scale import SCALES
+
+    scale = SCALES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    return runner.run(Path(args.out), scale, out_arg=args.out, parts=args.parts,
+                      force=args.force, progress=not args.no_progress,
+                      gpu_results=args.gpu_results, render_only=args.render_only)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from vmkv.bench.memory import SEED_LENGTHS, SMOLLM2_135M
     from vmkv.bench.workloads import add_workload_args
@@ -318,6 +330,26 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.set_defaults(func=cmd_bench_profile)
+
+    p = bench.add_parser("study", help="the address-translation study of this machine: "
+                                       "every part, report, figures and JSON in one folder")
+    p.add_argument("--out", default="vmkv-study", metavar="DIR",
+                   help="folder of study.md, images/study/ and results/study.json (docs: the "
+                        "committed study)")
+    p.add_argument("--quick", action="store_true",
+                   help="the same questions on fewer, shorter requests (<= 10 min on 2 cores)")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # the test's
+    p.add_argument("--parts", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="measure only these parts, again if already there (memory, "
+                        "translation, tax, mapping, end_to_end, elastic, gpu)")
+    p.add_argument("--force", action="store_true", help="measure every part again")
+    p.add_argument("--gpu-results", metavar="DIR", default=None,
+                   help="a benchmarks/gpu/check.sh results folder (default: "
+                        "docs/results/gpu-check, then benchmarks/results/gpu-check-*)")
+    p.add_argument("--render-only", action="store_true",
+                   help="measure nothing: write study.md and the figures from the JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench_study)
 
     p = bench.add_parser("startup", help="process start to first token, in fresh processes")
     add_model_arg(p)

@@ -39,13 +39,13 @@ from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
 PHASES = ("decode", "decode-sdpa", "prefill")
 
 
-def _managers(spec: KVSpec, batch: int, context: int, layout: str, block_size: int
-              ) -> dict[str, KVCacheManager]:
+def _managers(spec: KVSpec, batch: int, context: int, layout: str, block_size: int,
+              page_size: int | None = None) -> dict[str, KVCacheManager]:
     room = batch * (context + 2 * block_size) * spec.bytes_per_token + (8 << 20)
     out: dict[str, KVCacheManager] = {}
     for mode in ("virtual", "paged"):
         cache = CacheConfig(kv_mode=mode, kv_cache_memory=room, kv_layout=layout,
-                            block_size=block_size)
+                            block_size=block_size, page_size=page_size)
         kv = create_kv_cache(cache, spec, num_slots=batch, max_model_len=context)
         for start in range(0, context, block_size):  # grow together: blocks interleave
             for i in range(batch):
@@ -66,11 +66,12 @@ def _fill(kv: KVCacheManager, backend: Any, batch: int, context: int, seed: int)
 
 
 def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill_len: int,
-                  layout: str, block_size: int, repeats: int, warmup: int, seed: int = 0
-                  ) -> dict[str, Any]:
-    """Median ms per layer of both modes at one (batch, context, phase)."""
+                  layout: str, block_size: int, repeats: int, warmup: int, seed: int = 0,
+                  page_size: int | None = None) -> dict[str, Any]:
+    """Median ms per layer of both modes at one (batch, context, phase); ``page_size`` is the
+    virtual page (None: the layout's host default)."""
     query = min(prefill_len, context) if phase == "prefill" else 1
-    kvs = _managers(spec, batch, context, layout, block_size)
+    kvs = _managers(spec, batch, context, layout, block_size, page_size)
     try:
         backends = {m: create_attention_backend(kv) for m, kv in kvs.items()}
         kernel = all(getattr(b, "batched_decode", False) for b in backends.values())
@@ -112,9 +113,10 @@ def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill
 
 def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (256, 1024, 4096),
         *, phases: Sequence[str] = PHASES, prefill_len: int = 256,
-        layout: str = "all-layers", block_size: int = 16, repeats: int = 20, warmup: int = 3,
-        max_tokens: int = 32768, shape: tuple[int, int, int] = SMOLLM2_135M,
-        cuda: bool = True, progress: bool = True) -> dict[str, Any]:
+        layout: str = "all-layers", block_size: int = 16, page_size: int | None = None,
+        repeats: int = 20, warmup: int = 3, max_tokens: int = 32768,
+        shape: tuple[int, int, int] = SMOLLM2_135M, cuda: bool = True,
+        progress: bool = True) -> dict[str, Any]:
     """Every (phase, batch, context) point with ``batch * context <= max_tokens`` (the CPU
     holds that many tokens of all 30 layers per mode); CUDA points too when a GPU exists."""
     for name, values in (("batch_sizes", batch_sizes), ("context_lens", context_lens)):
@@ -135,11 +137,12 @@ def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (
     for phase, batch, context in bar:
         rows.append(measure_point(spec, batch, context, phase, prefill_len=prefill_len,
                                   layout=layout, block_size=block_size, repeats=repeats,
-                                  warmup=warmup))
+                                  warmup=warmup, page_size=page_size))
     result: dict[str, Any] = {
         "kv_shape": {"layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
                      "num_heads": NUM_HEADS, "dtype": "float32"},
-        "layout": layout, "block_size": block_size, "prefill_len": prefill_len,
+        "layout": layout, "block_size": block_size, "page_size": page_size,
+        "prefill_len": prefill_len,
         "repeats": repeats, "warmup": warmup, "skipped": skipped, "rows": rows,
     }
     if cuda and torch.cuda.is_available():

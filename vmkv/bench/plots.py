@@ -12,7 +12,8 @@ MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange", "virtual+prefix": "
                "paged+prefix": "tab:red", "virtual+json": "tab:purple", "paged+json": "tab:brown"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,16 +22,17 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+def save(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Lay out, write ``fig`` as a PNG at ``path`` (parents created) and close it."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def throughput(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Output tokens/s per mode per repetition, and KV memory in use over the last run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     runs = result["runs"]
     for mode in dict.fromkeys(r["mode"] for r in runs):
@@ -50,12 +52,12 @@ def throughput(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax1.legend()
     ax2.set(xlabel="s (last repetition)", ylabel="KV MiB", title="KV memory")
     ax2.legend(fontsize="small")
-    _save(fig, path)
+    save(fig, path)
 
 
 def serve(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """CDFs of TTFT, TPOT, ITL and E2E latency, one line per request rate."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
     names = (("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "E2E latency"))
     for run in result["runs"]:
@@ -67,12 +69,12 @@ def serve(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
             ax.set(title=title, xlabel="ms")
     axes[0].set_ylabel("fraction of requests")
     axes[0].legend(fontsize="small")
-    _save(fig, path)
+    save(fig, path)
 
 
 def kernels(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Time per layer against context length, one line per batch size and mode."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib import ticker
 
     groups = sorted({(r["device"], r["phase"]) for r in result["rows"]})
@@ -91,14 +93,14 @@ def kernels(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xticks(contexts, [str(c) for c in contexts])
         ax.legend(fontsize="x-small")
-    _save(fig, path)
+    save(fig, path)
 
 
 def profile(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Per phase, the step split into its parts (stacked), beside the parts' rooflines."""
     from vmkv.bench.profile import PARTS
 
-    plt = _pyplot()
+    plt = pyplot()
     phases = result["phases"]
     fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 3.8))
     colors = plt.get_cmap("tab10").colors
@@ -114,4 +116,4 @@ def profile(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
                title=f"{phase['phase']}: {phase['new_tokens']} new tokens, "
                      f"{phase['output_tokens_per_s']:.0f} out tok/s")
         ax.legend(fontsize="small")
-    _save(fig, path)
+    save(fig, path)

@@ -61,6 +61,13 @@ DEFAULT_LENS: dict[str, tuple[Range, Range]] = {
     "shared-prefix": ((32, 128), (32, 128)),  # input: the unique suffix
 }
 DEFAULT_PREFIX_LEN = 512
+#: (prompt length range, output length range) of the three mixes of the peer comparison
+#: (benchmarks/peers/best_peers.py) and of ``vmkv bench study``, inclusive, random token ids
+MIXES: dict[str, tuple[Range, Range]] = {
+    "prompt-heavy": ((256, 1024), (32, 128)),
+    "balanced": ((32, 256), (32, 256)),
+    "decode-heavy": ((32, 128), (256, 1024)),
+}
 
 
 def parse_range(text: str) -> Range:

@@ -1,0 +1,37 @@
+"""``vmkv bench study``: the address-translation study of the machine it runs on, in one
+command (docs/study.md is the committed one; docs/benchmarks.md describes the command).
+
+Parts, each answering its questions with the existing benches' entry points:
+
+    memory        useful KV fraction per strategy (vmkv.bench.memory)
+    translation   attention alone, block table vs contiguous slot (vmkv.bench.kernels)
+    tax           what virtual mode pays, as a share of the step (engines alternated,
+                  page faults, TLB misses where readable; vmkv.bench.profile)
+    mapping       page-operation latency (vmkv.bench.vmm) and the mapper's hidden stall
+    end_to_end    virtual vs paged offline per mix and dtype, prefix cache, online
+                  (vmkv.bench.throughput, vmkv.bench.serve)
+    elastic       OS-visible memory through bursts and idle gaps (vmkv.bench.elastic)
+    gpu           benchmarks/gpu/check.sh's results where they exist
+
+Each part module has ``NAME``, ``TITLE``, ``tasks(scale, raw)`` (the measurements, each filling
+``raw``), ``summarise(raw, scale)`` (the derived numbers, stored in the JSON too),
+``commands(scale, study_command)`` and ``section(part_doc, study_doc)`` (what the report shows,
+built from the JSON only). :mod:`.runner` runs them, :mod:`.report` writes the markdown.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from vmkv.bench.study import (
+    elastic,
+    end_to_end,
+    gpu,
+    mapping,
+    memory,
+    tax,
+    translation,
+)
+
+PARTS: tuple[ModuleType, ...] = (memory, translation, tax, mapping, end_to_end, elastic, gpu)
+PART_NAMES = tuple(p.NAME for p in PARTS)
