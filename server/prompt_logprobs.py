@@ -33,15 +33,33 @@ def vllm_prompt_logprobs(token_text: R.TokenText, out: RequestOutput
 
 
 def echo_logprobs(token_text: R.TokenText, out: RequestOutput,
-                  completion: dict[str, Any] | None, num_top: int) -> dict[str, Any]:
-    """The legacy ``logprobs`` object of the prompt tokens, followed by ``completion``'s."""
+                  completion: dict[str, Any] | None, num_top: int,
+                  offsets: list[int] | None = None) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of the prompt tokens, followed by ``completion``'s;
+    ``offsets``: where each prompt token starts in the echoed prompt (default: the lengths of
+    the tokens' texts, added up)."""
     ids, entries = out.prompt_token_ids, out.prompt_logprobs or []
     first = token_text(ids[0])
     rest = R.completion_logprobs(token_text, ids[1:], entries[1:], len(first), num_top)
     prompt = {"tokens": [first, *rest["tokens"]],
               "token_logprobs": [None, *rest["token_logprobs"]],
               "top_logprobs": [None, *rest["top_logprobs"]],
-              "text_offset": [0, *rest["text_offset"]]}
+              "text_offset": offsets or [0, *rest["text_offset"]]}
     if completion is None:
         return prompt
     return {key: prompt[key] + completion[key] for key in prompt}
+
+
+def prompt_text_offsets(tokenizer: Any, text: str, ids: list[int],
+                        add_special_tokens: bool) -> list[int] | None:
+    """Where each of ``ids`` starts in ``text``, the prompt they were tokenised from (a token
+    the tokenizer added, such as BOS, starts at 0: it is not in the text); None when ``ids``
+    are not ``text``'s tokens (the prompt was truncated) or the tokenizer gives no offsets."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=add_special_tokens,
+                            return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # a slow (Python) tokenizer
+        return None
+    if list(encoded.input_ids) != list(ids):
+        return None
+    return [start for start, _ in encoded.offset_mapping]

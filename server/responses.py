@@ -141,3 +141,8 @@ class ChoiceTracker:
         self.sent_tokens = len(out.token_ids)
         self.finished = out.finish_reason is not None
         return ChoiceDelta(text, new_ids, lps, out.finish_reason, out.stop_reason)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it: ``"token_id:<id>"``."""
+    return f"token_id:{token_id}"

@@ -47,6 +47,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
             continue
+        if opt.many:
+            parser.add_argument(flag_name(f.name), nargs="+", default=default, help=help_text)
+            continue
         kind = typing.get_args(hints[f.name]) or (hints[f.name],)
         arg_type = (parse_size if opt.size else int if int in kind
                     else float if float in kind else str)

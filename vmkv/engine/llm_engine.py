@@ -24,7 +24,7 @@ from vmkv.engine.front import stop_token_ids
 from vmkv.engine.model_runner import ModelRunner, PromptHidden
 from vmkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vmkv.engine.scheduler import Scheduler
-from vmkv.engine.sequence import Request, Sequence
+from vmkv.engine.sequence import Request, Sequence, truncate_prompt
 from vmkv.engine.shard import build_shard
 from vmkv.engine.stopping import check_stop, stream_safe_len
 from vmkv.kv.base import VmmError
@@ -32,6 +32,7 @@ from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler, SamplingState
 from vmkv.sampling.logprobs import prompt_logprobs
+from vmkv.sampling.token_constraints import bad_words_token_ids
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache
 from vmkv.structured.matcher import GrammarState
@@ -146,6 +147,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        self._check_token_params(params)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs "
@@ -161,7 +164,9 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
             grammar = self.grammars.new_state(params.structured_outputs)
-        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
+        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt,
+                      bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                              params.bad_words or ()))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         if arrival_time is not None:
@@ -180,12 +185,28 @@ class LLMEngine:
         else:
             ids, text = list(prompt), None
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids
+                   if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
         if not ids:
             raise ValueError("the prompt is empty")
         return text, ids
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """ValueError for logprobs past ``max_logprobs`` or token ids past the vocabulary."""
+        vocab = self.model_config.vocab_size
+        most = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                raise ValueError(f"{name} must be at most {most} (max_logprobs), got {value}")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad[:5]}")
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
@@ -207,7 +228,8 @@ class LLMEngine:
         if index and params.seed is not None:  # each sample its own reproducible stream
             params = replace(params, seed=(params.seed + index) % 2**63)
         state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              grammar=grammar, device=self.config.device)
+                              grammar=grammar, bad_words_token_ids=req.bad_words_token_ids,
+                              device=self.config.device)
         seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
                        len(req.prompt_token_ids), state)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
