@@ -75,7 +75,7 @@ def check_schema_supported(schema: Any) -> None:
     """Raise :class:`SchemaRefused` (a ValueError) for the first rule of this module's
     docstring that ``schema`` breaks; return None if xgrammar enforces all of it."""
     for path, sub in _subschemas(schema, "#"):
-        _check_one(sub, path, schema)
+        _check_one(sub, path, schema, {"string"} if path.endswith("/propertyNames") else None)
 
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -101,7 +101,9 @@ def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
             yield from _subschemas(value, f"{path}/{key}")
 
 
-def _check_one(schema: dict[str, Any], path: str, root: Any) -> None:
+def _check_one(schema: dict[str, Any], path: str, root: Any, implied: set[str] | None) -> None:
+    """The rules for one subschema; ``implied``: its values' types when its place fixes them
+    (a property name is a string)."""
     for keyword in UNENFORCED_KEYWORDS:
         if keyword in schema and not (keyword == "uniqueItems" and schema[keyword] is False):
             raise SchemaRefused(keyword, path, "xgrammar does not enforce it")
@@ -116,7 +118,7 @@ def _check_one(schema: dict[str, Any], path: str, root: Any) -> None:
                             "branches into one schema")
     if isinstance(schema.get("oneOf"), list):
         _check_one_of(schema["oneOf"], path, root)
-    types = _types(schema)
+    types = _types(schema) or implied
     _check_typed_keywords(schema, path, types)
     _check_values(schema, path, types)
     required, properties = schema.get("required"), schema.get("properties") or {}
