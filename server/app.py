@@ -235,7 +235,7 @@ class _Api:
     def prompt_ids(self, ids: list[int], body: Any, param: str = "prompt") -> list[int]:
         """``ids`` truncated as the request asks (``truncate_prompt_tokens``,
         ``truncation_side``), then checked against the context length."""
-        keep = body.truncate_prompt_tokens
+        keep = getattr(body, "truncate_prompt_tokens", None)
         if keep is not None:
             keep = self.front.max_model_len if keep == -1 else keep
             if keep < 1:
