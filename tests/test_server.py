@@ -38,7 +38,7 @@ class Running:
 
 
 def start(engine: AsyncEngine, **config: object) -> Running:
-    app = build_app(engine, ServerConfig(served_model_name=MODEL, **config))
+    app = build_app(engine, ServerConfig(**{"served_model_name": MODEL, **config}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
