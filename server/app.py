@@ -246,11 +246,11 @@ class _Api:
         return ids
 
     def response_id(self, prefix: str, raw: Request, body: Any) -> str:
-        """``<prefix>-<id>``: the request's X-Request-Id, else its ``request_id``, else new."""
+        """``<prefix><id>``: the request's X-Request-Id, else its ``request_id``, else new."""
         header = request_id_header(raw.scope)
         base = header.decode("latin-1") if header else (
             getattr(body, "request_id", None) or uuid.uuid4().hex)
-        return f"{prefix}-{base}"
+        return f"{prefix}{base}"
 
     # -- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -417,7 +417,7 @@ class _Api:
         params = body.sampling_params(max_tokens, body.logprobs, self.defaults,
                                       prompt_logprobs=prompt_logprobs_wanted(body, max_tokens),
                                       structured_outputs=await prepare_structure(self.front, body))
-        request_id = self.response_id("cmpl", raw, body)
+        request_id = self.response_id("cmpl-", raw, body)
         streams = await self.submit(request_id, prompts, params, body.cache_salt, body,
                                     "/v1/completions")
         if body.stream:
@@ -532,7 +532,7 @@ class _Api:
         params = body.sampling_params(
             max_tokens, body.num_logprobs, self.defaults, prompt_logprobs=body.prompt_logprobs,
             structured_outputs=await prepare_structure(self.front, body, plan.structure))
-        request_id = self.response_id("chatcmpl", raw, body)
+        request_id = self.response_id("chatcmpl-", raw, body)
         streams = await self.submit(request_id, [ids], params, body.cache_salt, body,
                                     "/v1/chat/completions")
         # echo: the reply goes on from the last message when that is the assistant's (vLLM)

@@ -134,7 +134,7 @@ async def create(api: _Api, body: ResponsesRequest, raw: Request) -> Response:
     params = chat.sampling_params(
         max_tokens, chat.num_logprobs, api.defaults,
         structured_outputs=await prepare_structure(api.front, chat, plan.structure))
-    response_id = api.response_id("resp", raw, body)
+    response_id = api.response_id("resp_", raw, body)
     streams = await api.submit(response_id, [ids], params, body.cache_salt, body,
                                "/v1/responses")
     shape = ResponseShape(api, body, response_id, plan)
