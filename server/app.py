@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,7 +41,7 @@ from vmkv.sampling_params import SamplingParams
 from vmkv.server import responses as R
 from vmkv.server import responses_api
 from vmkv.server.auth import ApiKey
-from vmkv.server.bodies import json_response
+from vmkv.server.bodies import json_response, sse_event
 from vmkv.server.errors import RETRY_AFTER, APIError, error_response, install_error_handlers
 from vmkv.server.generation_config import generation_defaults
 from vmkv.server.http_options import EchoRequestId, add_cors, request_id_header
@@ -115,6 +116,8 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        gc.collect()
+        gc.freeze()  # the model and libraries: out of the collector's walks (server/bodies.py)
         yield
         workers.close()  # the worker threads and the parser process end with the server
 
@@ -446,7 +449,8 @@ class _Api:
                           "stop_reason": c.stop_reason}
                 if body.logprobs is not None:
                     choice["logprobs"] = R.completion_logprobs(
-                        token_text, c.token_ids, c.logprobs or [], len(echo[i]), body.logprobs)
+                        token_text, c.token_ids, c.logprobs or [], len(echo[i]), body.logprobs,
+                        lazy=True)
                     if body.echo:
                         choice["logprobs"] = echo_logprobs(
                             token_text, out, choice["logprobs"], body.logprobs,
@@ -467,6 +471,14 @@ class _Api:
         return prompt_text_offsets(self.tokenizer, echo, out.prompt_token_ids,
                                    body.add_special_tokens)
 
+    def _echo_event(self, payload: Callable[[dict[str, Any]], dict[str, Any]],
+                    body: CompletionRequest, token_text: Callable[[int], str],
+                    out: RequestOutput, choice: dict[str, Any]) -> bytes:
+        """The streamed echo of a prompt, with its logprobs when asked (run off the loop)."""
+        choice["logprobs"] = None if body.logprobs is None else echo_logprobs(
+            token_text, out, None, body.logprobs, self._echo_offsets(choice["text"], out, body))
+        return sse_event(payload(choice))
+
     async def _stream_completion(self, request_id: str, streams: list[RequestStream],
                                  started: float, echo: list[str], body: CompletionRequest,
                                  prompt_tokens: int) -> AsyncIterator[str]:
@@ -475,10 +487,13 @@ class _Api:
         trackers: dict[int, R.ChoiceTracker] = {}
         completion_tokens = cached = 0
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk_payload(choice: dict[str, Any]) -> dict[str, Any]:
             usage = ({"usage": R.usage(prompt_tokens, completion_tokens)}
                      if body.continuous_usage else {})
-            return R.sse({**base, "choices": [choice], **usage})
+            return {**base, "choices": [choice], **usage}
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return R.sse(chunk_payload(choice))
 
         async for i, out in self.merged(streams, started):
             for c in out.outputs:
@@ -488,13 +503,11 @@ class _Api:
                     tracker = trackers[index] = R.ChoiceTracker(text_offset=len(echo[i]))
                     if body.return_token_ids:  # sent with the choice's first chunk
                         tracker.extra["prompt_token_ids"] = out.prompt_token_ids
-                    if echo[i]:
-                        lp = (await asyncio.to_thread(
-                            echo_logprobs, token_text, out, None, body.logprobs,
-                            self._echo_offsets(echo[i], out, body))
-                              if body.logprobs is not None else None)
-                        yield chunk({"index": index, "text": echo[i], "logprobs": lp,
-                                     "finish_reason": None, **tracker.extra})
+                    if echo[i]:  # the prompt's logprobs may be big: built off the loop
+                        yield await asyncio.to_thread(
+                            self._echo_event, chunk_payload, body, token_text, out,
+                            {"index": index, "text": echo[i], "finish_reason": None,
+                             **tracker.extra})
                         tracker.extra.clear()
                 d = tracker.delta(c)
                 if d is None:
@@ -557,8 +570,8 @@ class _Api:
                       "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": c.stop_reason}
             if body.logprobs:
-                choice["logprobs"] = R.chat_logprobs(token_text, c.token_ids,
-                                                     c.logprobs or [], body.top_logprobs or 0)
+                choice["logprobs"] = R.chat_logprobs(token_text, c.token_ids, c.logprobs or [],
+                                                     body.top_logprobs or 0, lazy=True)
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)

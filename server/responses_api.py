@@ -304,12 +304,13 @@ class ResponseShape:
                 "call_id": call["id"], "name": call["function"]["name"],
                 "arguments": call["function"]["arguments"], "status": status}
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]
-                 ) -> list[dict[str, Any]] | None:
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
+                 lazy: bool = False) -> Any:
+        """The output text's logprobs (None when not asked for; ``lazy``: an iterator)."""
         if not self.body.wants_logprobs:
             return None
         return R.chat_logprobs(self.api.token_text, token_ids, entries,
-                               self.body.top_logprobs or 0)["content"]
+                               self.body.top_logprobs or 0, lazy)["content"]
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
         output_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -328,7 +329,7 @@ class ResponseShape:
         if message["content"] is not None and (message["content"] or "tool_calls"
                                                not in message):
             output.append(self.message(message["content"], status,
-                                       self.logprobs(c.token_ids, c.logprobs or [])))
+                                       self.logprobs(c.token_ids, c.logprobs or [], lazy=True)))
         output += [self.call(call) for call in message.get("tool_calls", [])]
         return self.envelope(status, output, self.usage(out), finish_reason)
 
