@@ -119,6 +119,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
         gc.collect()
         gc.freeze()  # the model and libraries: out of the collector's walks (server/bodies.py)
         yield
+        gc.unfreeze()  # what the server leaves behind is collected as usual
         workers.close()  # the worker threads and the parser process end with the server
 
     app = FastAPI(title="vmkv", version=vmkv.__version__, lifespan=lifespan)

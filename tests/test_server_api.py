@@ -281,10 +281,9 @@ def test_requests_are_logged(srv: Running, caplog: pytest.LogCaptureFixture) -> 
     assert line.endswith('prompt="The capital...')  # the first max_log_len characters
 
 
-def test_development_routes_need_dev_mode(srv: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_development_routes_need_dev_mode(srv: Running) -> None:
     assert post(srv, "/reset_prefix_cache", {}).status_code == 404
-    monkeypatch.setenv("VMKV_SERVER_DEV_MODE", "1")
-    dev = start(srv.engine)
+    dev = start(srv.engine, dev_mode=True)  # VMKV_SERVER_DEV_MODE=1
     try:
         r = post(dev, "/reset_prefix_cache", {})
         assert r.status_code == 200 and "dropped_units" in r.json()
