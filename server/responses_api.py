@@ -97,6 +97,14 @@ class ResponsesRequest(RequestModel):
                          "included) and leave store, previous_response_id, conversation, "
                          "prompt and background unset")
 
+    @field_validator("text")
+    @classmethod
+    def _text_format_only(cls, text: dict[str, Any] | None) -> dict[str, Any] | None:
+        other = sorted(set(text or {}) - {"format"})
+        if other:
+            raise ValueError(f"text.{other[0]} is not supported (only text.format is)")
+        return text
+
     @field_validator("include")
     @classmethod
     def _includes(cls, include: list[str] | None) -> list[str] | None:

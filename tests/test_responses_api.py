@@ -141,6 +141,7 @@ def test_a_function_tool_and_its_round_trip(client: openai.OpenAI) -> None:
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "not supported"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
     ({"include": ["file_search_call.results"]}, "include", "can be included"),
+    ({"text": {"verbosity": "low"}}, "text", "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "array", "uniqueItems": True}}}},
      "response_format", "'uniqueItems'"),
