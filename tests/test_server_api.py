@@ -289,3 +289,24 @@ def test_development_routes_need_dev_mode(srv: Running) -> None:
         assert r.status_code == 200 and "dropped_units" in r.json()
     finally:
         dev.stop()
+
+
+def test_the_docs_list_every_request_field() -> None:
+    """docs/server.md's table says for every declared field whether it is honoured, refused
+    or not applicable."""
+    from vmkv.server.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+        StreamOptions,
+        TokenizeRequest,
+    )
+    from vmkv.server.responses_api import ResponsesRequest
+
+    doc = (Path(__file__).parents[1] / "docs" / "server.md").read_text()
+    table = doc[doc.index("## Request fields against vLLM's"):doc.index("## Server options")]
+    for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                  DetokenizeRequest, StreamOptions):
+        prefix = "stream_options." if model is StreamOptions else ""
+        for name in model.model_fields:
+            assert f"`{prefix}{name}" in table, f"{model.__name__}.{name} is not in the table"
