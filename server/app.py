@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -285,6 +286,9 @@ class _Api:
         except ValueError as exc:  # reserved chat_template_kwargs, conflicting options
             raise APIError(400, str(exc), "chat_template_kwargs" if "chat_template_kwargs"
                            in str(exc) else "continue_final_message") from None
+        except TemplateError as exc:  # the template refuses the conversation (raise_exception)
+            raise APIError(400, f"the chat template refused the messages: {exc}",
+                           "messages") from None
         return self.prompt_ids(ids, body, "messages")
 
     # -- submit / collect ---------------------------------------------------------------------

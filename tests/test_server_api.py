@@ -26,7 +26,8 @@ from vmkv.server.limits import MAX_JSON_DEPTH
 from vmkv.server.protocol import REFUSED
 
 ORIGIN = "https://app.example"
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+TEMPLATE = ("{% if refuse is defined %}{{ raise_exception('not today') }}{% endif %}"
+            "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
             "'<|im_end|>\\n' }}{% endfor %}{% if greeting is defined %}{{ greeting }}"
             "{% endif %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
             "{% endif %}")
@@ -195,6 +196,9 @@ def test_chat_template_kwargs_reach_the_template(srv: Running, client: openai.Op
         "chat_template_kwargs", "'tokenize'")
     assert_400(post(srv, "/v1/chat/completions", {"messages": ASK, "chat_template": "{{ 1 }}"}),
                "chat_template", "--trust-request-chat-template")
+    r = post(srv, "/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": {
+        "refuse": True}})  # the template raises: a 400, not a 500
+    assert_400(r, "messages", "the chat template refused the messages: not today")
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path: Path) -> None:
