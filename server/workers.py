@@ -107,15 +107,19 @@ class Workers:
             raise ServerBusyError("a request parser process died; retry") from None
 
     # -- tokenizer work ---------------------------------------------------------------------
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt (the model's special tokens added, as for generation)."""
-        return await self.run(lambda: self.tokenizer(text).input_ids)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (with the model's special tokens, as for generation, unless
+        ``add_special_tokens`` is false)."""
+        return await self.run(
+            lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a chat (its template rendered with ``tools`` when given)."""
+                          tools: list[dict[str, Any]] | None = None, **options: Any
+                          ) -> list[int]:
+        """Token ids of a chat (its template rendered with ``tools`` when given, and the
+        options of :func:`vmkv.chat_template.chat_token_ids`)."""
         return await self.run(chat_token_ids, self.tokenizer, messages, add_generation_prompt,
-                              tools)
+                              tools, **options)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """``tokenizer.decode(ids)``. Where that is exactly the Rust tokenizer's decode (no
