@@ -448,7 +448,7 @@ class _Api:
                     request_id, streams, started, echo, body, sum(map(len, prompts)))),
                 media_type="text/event-stream")
         outs = await self.collect(raw, streams, started)
-        return await json_response(lambda: {
+        return await json_response(self.workers, lambda: {
             **R.envelope(request_id, "text_completion", self.model_name),
             "choices": self._completion_choices(outs, body, echo),
             "usage": R.usage(sum(o.num_prompt_tokens for o in outs),
@@ -525,7 +525,7 @@ class _Api:
                     if body.return_token_ids:
                         first["prompt_token_ids"] = prompts[i].prompt_token_ids
                     if echo[i]:  # the prompt's logprobs may be big: built off the loop
-                        yield await asyncio.to_thread(
+                        yield await self.workers.build(
                             self._echo_event, chunk_payload, body, token_text, prompts[i],
                             {"index": index, "text": echo[i], "finish_reason": None, **first})
                         first = {}
@@ -571,7 +571,8 @@ class _Api:
                 request_id, streams, started, body, ids, plan, echo)),
                 media_type="text/event-stream")
         (out,) = await self.collect(raw, streams, started)
-        return await json_response(lambda: self._chat_body(request_id, out, body, plan, echo))
+        return await json_response(
+            self.workers, lambda: self._chat_body(request_id, out, body, plan, echo))
 
     def _chat_body(self, request_id: str, out: RequestOutput, body: ChatCompletionRequest,
                    plan: ToolPlan, echo: str) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 A response with ``top_logprobs: 20`` over 4,096 tokens is ~90,000 small dicts and ~10 MB of
 JSON: built and dumped on the loop it held ``/health`` for about a second. :func:`json_response`
-runs the building function in a thread and serialises its result in pieces (each element of a
-long list on its own), so the loop gets the GIL back between pieces (Python switches threads
-every 5 ms; one ``json.dumps`` of the whole body is a single C call that never lets go).
+runs the building function on a body thread (server/workers.py) and serialises its result in
+pieces (each element of a long list on its own), so the loop gets the GIL back between pieces
+(Python switches threads every 5 ms; one ``json.dumps`` of the whole body is a single C call
+that never lets go).
 
 A thread is not enough on its own: the ~250,000 containers such a body creates trigger the
 cyclic garbage collector's full collections, each a stop-the-world walk of every object in the
@@ -16,16 +17,18 @@ does), so the collections that do run walk only what requests created.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
+
+if TYPE_CHECKING:
+    from vmkv.server.workers import Workers
 
 #: lists longer than this are serialised element by element
 PIECEWISE = 64
@@ -105,8 +108,9 @@ def _build_bytes(build: Callable[[], dict[str, Any]]) -> bytes:
         return dumps(build())  # the body's objects are freed before the collector runs
 
 
-async def json_response(build: Callable[[], dict[str, Any]],
+async def json_response(workers: Workers, build: Callable[[], dict[str, Any]],
                         headers: dict[str, str] | None = None) -> Response:
-    """A JSON response whose body ``build()`` makes, built and serialised in a thread."""
-    body = await asyncio.to_thread(_build_bytes, build)
+    """A JSON response whose body ``build()`` makes, built and serialised on one of the
+    server's body threads (:meth:`~vmkv.server.workers.Workers.build`)."""
+    body = await workers.build(_build_bytes, build)
     return Response(body, media_type="application/json", headers=headers)

@@ -147,7 +147,7 @@ async def create(api: _Api, body: ResponsesRequest, raw: Request) -> Response:
         return StreamingResponse(stream_events(api, shape, streams, started),
                                  media_type="text/event-stream")
     (out,) = await api.collect(raw, streams, started)
-    return await json_response(lambda: shape.final(out))
+    return await json_response(api.workers, lambda: shape.final(out))
 
 
 # -- the request as a chat completion ----------------------------------------------------------
