@@ -1,8 +1,11 @@
 """Input limits checked on a request body before any expensive work (pydantic validation,
 tokenisation), so a hostile body costs little and a bad one gets a 400 naming the field.
 
-    raw bytes --json.loads(no NaN/Infinity, finite floats)--> object --check_body--> pydantic
+    raw bytes --nesting depth--json.loads(no NaN/Infinity, finite floats)--> object
+              --check_body--> pydantic
 
+:func:`loads` refuses JSON nested deeper than :data:`MAX_JSON_DEPTH` before parsing it (a
+counting pass in C: a 50,000-deep body would otherwise exhaust the parser's recursion), and
 :func:`check_body` runs on the parsed JSON (lists are measured with ``len`` before anything
 walks them; the walk for invalid Unicode comes last) and refuses:
 
@@ -12,8 +15,11 @@ walks them; the walk for invalid Unicode comes last) and refuses:
   together are: ``max_model_len`` times the longest token of the vocabulary, so such a prompt
   has more tokens than the model takes with every tokenizer that does not delete characters;
 - more than ``max_prompts`` prompts in one completions request, a token-id prompt longer than
-  ``max_model_len``, more than ``max_batch_tokens`` token ids in one request, token ids outside
-  the vocabulary;
+  ``max_model_len`` (unless ``truncate_prompt_tokens`` cuts it), more than ``max_batch_tokens``
+  token ids in one request;
+- a token id that is not an integer in ``[0, vocab_size)``: in ``prompt``, ``tokens``,
+  ``stop_token_ids``, ``allowed_token_ids`` and the keys of ``logit_bias`` (``1.0``,
+  ``1e15`` and ``true`` included: JSON numbers are not converted);
 - more than ``max_model_len`` chat messages (each costs at least one token);
 - more than :data:`MAX_STOP` stop strings or stop token ids, a stop string longer than
   :data:`MAX_STOP_CHARS` characters (stop strings are matched at every step, and held back
@@ -24,13 +30,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (one engine request each)
 MAX_BATCH_TOKENS = 1 << 17  # token ids in one request body (prompts or /detokenize)
 MAX_STOP = 64  # stop strings, and stop token ids
 MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a body (tool and JSON schemas included)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 class BodyError(ValueError):
@@ -73,9 +84,22 @@ class InputLimits:
 
 
 def loads(body: bytes) -> Any:
-    """Parse a JSON body; ValueError for malformed JSON, invalid UTF-8, NaN, Infinity or a
-    number that overflows to infinity (``1e999``)."""
+    """Parse a JSON body; ValueError for malformed JSON, invalid UTF-8, NaN, Infinity, a
+    number that overflows to infinity (``1e999``) or nesting past :data:`MAX_JSON_DEPTH`."""
+    check_depth(body)
     return json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+
+
+def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """BodyError if ``body``'s arrays and objects nest deeper than ``limit`` (brackets inside
+    strings do not count; malformed JSON is left to the parser)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return  # too few brackets to nest that deep: no need to look
+    codes = np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)
+    steps = np.isin(codes, (0x5B, 0x7B)).astype(np.int32) - np.isin(codes, (0x5D, 0x7D))
+    if steps.size and int(np.cumsum(steps).max()) > limit:
+        raise BodyError(f"the JSON body nests arrays and objects deeper than {limit} levels "
+                        f"(MAX_JSON_DEPTH)")
 
 
 def _no_constant(name: str) -> float:
@@ -94,7 +118,7 @@ def check_body(obj: Any, limits: InputLimits) -> None:
     if not isinstance(obj, dict):
         _check_unicode(obj, "")
         return  # pydantic says what is wrong with it
-    _check_prompt(obj.get("prompt"), limits)
+    _check_prompt(obj.get("prompt"), limits, obj.get("truncate_prompt_tokens") is not None)
     messages = obj.get("messages")
     if isinstance(messages, list):
         if len(messages) > limits.max_model_len:
@@ -108,6 +132,12 @@ def check_body(obj: Any, limits: InputLimits) -> None:
     tokens = obj.get("tokens")
     if isinstance(tokens, list):
         _check_ids(tokens, limits, "tokens", limits.max_batch_tokens)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if isinstance(obj.get(name), list):
+            _check_ids(obj[name], limits, name, limits.vocab_size)
+    if isinstance(obj.get("logit_bias"), dict):
+        _check_ids([int(k) if k.isascii() and k.isdigit() else k for k in obj["logit_bias"]],
+                   limits, "logit_bias", limits.vocab_size)
     _check_stops(obj.get("stop"), obj.get("stop_token_ids"))
     _check_unicode(obj, "")  # after the size checks: the walk is bounded by them
 
@@ -133,14 +163,18 @@ def _surrogate_at(text: str) -> int:
     return next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
 
 
-def _check_prompt(prompt: Any, limits: InputLimits) -> None:
+def _check_prompt(prompt: Any, limits: InputLimits, truncated: bool) -> None:
+    """``truncated``: the request cuts its prompt (``truncate_prompt_tokens``), so a prompt may
+    be longer than the model takes (the body's size still bounds it)."""
+    longest = limits.max_batch_tokens if truncated else limits.max_model_len
     if isinstance(prompt, str):
-        _check_chars(prompt, limits, "prompt")
+        if not truncated:
+            _check_chars(prompt, limits, "prompt")
         return
     if not isinstance(prompt, list):
         return
-    if prompt and isinstance(prompt[0], int):  # one prompt of token ids
-        _check_ids(prompt, limits, "tokens", limits.max_model_len)
+    if prompt and _is_number(prompt[0]):  # one prompt of token ids
+        _check_ids(prompt, limits, "prompt", longest)
         return
     if len(prompt) > limits.max_prompts:
         raise BodyError(f"{len(prompt)} prompts in one request; at most {limits.max_prompts}",
@@ -148,9 +182,10 @@ def _check_prompt(prompt: Any, limits: InputLimits) -> None:
     total = 0
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            _check_chars(p, limits, f"prompt.{i}")
+            if not truncated:
+                _check_chars(p, limits, f"prompt.{i}")
         elif isinstance(p, list):
-            _check_ids(p, limits, "tokens", limits.max_model_len)
+            _check_ids(p, limits, f"prompt.{i}", longest)
             total += len(p)
             if total > limits.max_batch_tokens:
                 raise BodyError(f"more than {limits.max_batch_tokens} prompt token ids in one "
@@ -170,8 +205,13 @@ def _check_ids(ids: list, limits: InputLimits, param: str, most: int) -> None:
                         f"{limits.max_model_len})", param)
     vocab = limits.vocab_size
     for t in ids:
-        if type(t) is int and not 0 <= t < vocab:
-            raise BodyError(f"token ids must be in [0, {vocab})", param)
+        if type(t) is not int or not 0 <= t < vocab:
+            raise BodyError(f"token ids must be integers in [0, {vocab}), got "
+                            f"{json.dumps(t)[:32]}", param)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float)  # bool included: true is no token id either
 
 
 def _content_chars(message: Any) -> int:

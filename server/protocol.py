@@ -1,26 +1,92 @@
-"""OpenAI request bodies (plus vLLM's sampling extras), validated by pydantic."""
+"""OpenAI request bodies (plus vLLM's extras), validated by pydantic.
+
+Every field a model declares is honoured, or refused with a 400 naming it when set to a value
+vmkv cannot honour (:data:`REFUSED`: beam search, multimodal inputs, ...). Fields no model
+declares are ignored, as vLLM ignores them, but never silently: they are kept in
+``model_extra`` and the server logs them with a warning (:func:`ignored_fields`). The table of
+every field against vLLM's is in docs/server.md.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from vmkv.sampling_params import SamplingParams
 
+#: a token id: a JSON integer (1.0, 1e15 and true are refused, not converted)
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
+#: declared fields vmkv cannot honour: (the value that asks for nothing, why it is refused)
+REFUSED: dict[str, tuple[Any, str]] = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
+    "watermarking": (False, "watermarking is not supported"),
+    "spaces_between_special_tokens": (True, "special tokens are always decoded without "
+                                      "spaces between them"),
+    "logprob_token_ids": (None, "logprobs of chosen token ids are not supported; use "
+                          "logprobs / top_logprobs"),
+    "priority": (0, "priority scheduling is not supported"),
+    "repetition_detection": (None, "repetition detection is not supported"),
+    "thinking_token_budget": (None, "thinking budgets are not supported"),
+    "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
+    "media_io_kwargs": (None, "multimodal inputs are not supported"),
+    "prompt_embeds": (None, "prompt embeddings are not supported"),
+    "include_reasoning": (True, "vmkv has no reasoning parser: reasoning stays in the content"),
+    "functions": (None, "the legacy functions API is not supported; use tools"),
+    "function_call": (None, "the legacy functions API is not supported; use tool_choice"),
+    "audio": (None, "audio output is not supported"),
+}
 
 
-class StreamOptions(_Base):
+class RequestModel(BaseModel):
+    """A request body: declared fields honoured or refused (:data:`REFUSED`), others logged."""
+
+    # unknown fields are kept (model_extra) so the server can log what it ignores
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator(*REFUSED, check_fields=False)
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral, why = REFUSED[info.field_name]
+        if value is not None and value != neutral:
+            raise ValueError(f"{why} (vmkv refuses {info.field_name}={json.dumps(value)[:40]} "
+                             "rather than ignore it)")
+        return value
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of every field of ``model`` (and the models it holds) that no model
+    declares: the server ignores them and logs them (a chat message's go to the template)."""
+    names = [] if isinstance(model, ChatMessage) else [
+        f"{prefix}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                index = f".{i}" if isinstance(value, list) else ""
+                names += ignored_fields(item, f"{prefix}{name}{index}.")
+    return names
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk (with include_usage)
 
 
-class _Sampling(_Base):
+class _Sampling(RequestModel):
     """Fields shared by both endpoints, with vLLM's extras."""
 
     model: str | None = None
@@ -33,17 +99,26 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     seed: int | None = None
-    user: str | None = None
+    user: str | None = None  # logged with --enable-log-requests
     # vLLM extras (OpenAI clients send them through extra_body)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the model's)
+    truncation_side: Literal["left", "right"] | None = None  # left (default): keep the end
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
+    return_token_ids: bool | None = None  # token ids beside the text
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     cache_salt: str | None = None  # requests with different salts never share cached KV
     # structured outputs (server/structured.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: dict[str, Any] | None = None
@@ -52,6 +127,16 @@ class _Sampling(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # refused unless left at their default (REFUSED)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    spaces_between_special_tokens: bool = True
+    logprob_token_ids: list[int] | None = None
+    priority: int = 0
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -61,34 +146,58 @@ class _Sampling(_Base):
                              "unsalted cache")
         return salt
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (\"123\"), got {key!r}")
+        return bias
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None,
                         **extra: Any) -> SamplingParams:
-        """The engine's parameters (``extra``: more SamplingParams fields); raises ValueError
-        naming the bad field."""
+        """The engine's parameters (``extra``: more SamplingParams fields; ``defaults``: the
+        server's default sampling, for the fields the request leaves unset); raises
+        ValueError naming the bad field."""
+        defaults = defaults or {}
         kw: dict[str, Any] = dict(extra,
             n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=None if self.logit_bias is None else {
+                int(k): v for k, v in self.logit_bias.items()},
         )
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                      "min_p", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kw[name] = value
         return SamplingParams(**kw)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM's ``continuous_usage_stats``)."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
-    echo: bool = False
-    prompt_logprobs: int | None = None  # vLLM's extra; echo + logprobs implies it
+    echo: bool = False  # prompt_logprobs: vLLM's extra; echo + logprobs implies it
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS etc. around a text prompt
+    prompt_embeds: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -110,7 +219,10 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(_Base):
+class ChatMessage(RequestModel):
+    """One message; fields beyond these (``reasoning_content``, ...) reach the chat template
+    as they are."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -122,11 +234,12 @@ class ChatMessage(_Base):
         if isinstance(content, list):  # OpenAI content parts: only text parts are supported
             texts = []
             for part in content:
-                if part.get("type") != "text":
+                if part.get("type") not in ("text", "input_text", "output_text"):
                     raise ValueError(f"unsupported content part type {part.get('type')!r}")
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
-        message = {"role": "system" if self.role == "developer" else self.role,
+        message = {**(self.model_extra or {}),
+                   "role": "system" if self.role == "developer" else self.role,
                    "content": content or ""}
         if self.tool_calls:
             message["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
@@ -136,23 +249,59 @@ class ChatMessage(_Base):
         return message
 
 
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``."""
+class _Templated(RequestModel):
+    """How a conversation becomes a prompt (chat completions and /tokenize)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open for the model
+    add_special_tokens: bool = False  # the tokenizer's own BOS on top of the template's
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables
+    documents: list[dict[str, Any]] | None = None  # for templates that render documents
+    tools: list[dict[str, Any]] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """What :func:`vmkv.chat_template.render_chat` takes from the request (but tools)."""
+        return {"continue_final_message": self.continue_final_message,
+                "documents": self.documents, "chat_template": self.chat_template,
+                "template_kwargs": self.chat_template_kwargs,
+                "add_special_tokens": bool(self.add_special_tokens)}
+
+
+class ChatCompletionRequest(_Templated, _Sampling):
+    """``POST /v1/chat/completions``."""
+
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # the reply starts with the last message, when it is the assistant's
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    include_reasoning: bool = True
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    def template_options(self) -> dict[str, Any]:
+        """As :meth:`_Templated.template_options`; ``reasoning_effort`` reaches the template
+        as a variable, with ``enable_thinking`` (false for "none") unless the request sets it,
+        as vLLM passes them."""
+        options = super().template_options()
+        if self.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": self.reasoning_effort,
+                      "enable_thinking": self.reasoning_effort != "none"}
+            options["template_kwargs"] = {**kwargs, **(self.chat_template_kwargs or {})}
+        return options
 
     @property
     def num_logprobs(self) -> int | None:
@@ -175,12 +324,15 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": fn}
 
 
-class TokenizeRequest(_Base):
+class TokenizeRequest(_Templated):
+    """``POST /tokenize``: ``prompt`` (a text) or ``messages`` (a conversation, rendered as
+    chat completions render it)."""
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment]
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool = False  # also the tokens' text
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
@@ -189,6 +341,6 @@ class TokenizeRequest(_Base):
         return self
 
 
-class DetokenizeRequest(_Base):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

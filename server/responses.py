@@ -76,31 +76,42 @@ def _top(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int],
-                        logprobs: list[dict[int, float]], text_offset: int, num_top: int
-                        ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+                        logprobs: list[dict[int, float]], text_offset: int, num_top: int,
+                        lazy: bool = False) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``lazy``: ``top_logprobs`` is an iterator,
+    made as it is serialised (server/bodies.py)."""
+    tokens, token_lps, offsets = [], [], []
     for tok, entry in zip(token_ids, logprobs, strict=False):
         text = token_text(tok)
         tokens.append(text)
         token_lps.append(entry.get(tok))
-        tops.append({token_text(t): lp for t, lp in _top(entry, num_top)} or None)
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    tops = ({token_text(t): lp for t, lp in _top(entry, num_top)} or None
+            for entry in logprobs[: len(tokens)])
+    return {"tokens": tokens, "token_logprobs": token_lps,
+            "top_logprobs": tops if lazy else list(tops), "text_offset": offsets}
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int],
-                  logprobs: list[dict[int, float]], num_top: int) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    content = []
-    for tok, entry in zip(token_ids, logprobs, strict=False):
-        text = token_text(tok)
-        top = _top(entry, num_top)
-        content.append({
-            "token": text, "logprob": entry.get(tok), "bytes": list(text.encode()),
+                  logprobs: list[dict[int, float]], num_top: int,
+                  lazy: bool = False) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    ``lazy``: ``content`` is an iterator, made as it is serialised (server/bodies.py)."""
+    content = (_chat_entry(token_text, tok, entry, num_top)
+               for tok, entry in zip(token_ids, logprobs, strict=False))
+    return {"content": content if lazy else list(content)}
+
+
+def _chat_entry(token_text: TokenText, tok: int, entry: dict[int, float], num_top: int
+                ) -> dict[str, Any]:
+    text = token_text(tok)
+    return {"token": text, "logprob": entry.get(tok), "bytes": list(text.encode()),
             "top_logprobs": [{"token": token_text(t), "logprob": lp,
-                              "bytes": list(token_text(t).encode())} for t, lp in top],
-        })
-    return {"content": content}
+                              "bytes": list(token_text(t).encode())}
+                             for t, lp in _top(entry, num_top)]}
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it: ``"token_id:<id>"``."""
+    return f"token_id:{token_id}"

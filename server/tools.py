@@ -1,8 +1,10 @@
 """Tool calling in ``/v1/chat/completions``: ``tools`` and ``tool_choice``.
 
-    none      the tools are left out of the prompt; the reply is text
+    none      the tools still go into the chat template (as vLLM renders them), but the reply
+              is text: nothing is parsed
     auto      the tools go into the chat template; the reply is parsed for the model's own
-              tool-call syntax (tool_parsers.py): calls -> ``message.tool_calls``
+              tool-call syntax (tool_parsers/): calls -> ``message.tool_calls`` (only the first
+              with ``parallel_tool_calls: false``)
     required  the output is constrained (structured outputs) to a JSON array of one or more
               ``{"name": <a tool>, "parameters": <its schema>}``
     named     ``{"type": "function", "function": {"name": N}}``: the output is constrained to
@@ -40,6 +42,7 @@ class ToolPlan:
     structure: StructuredOutputsParams | None = None  # required / named
     named: str | None = None
     parser: ToolCallParser | None = None  # auto
+    max_calls: int | None = None  # most calls returned (auto: 1 with parallel_tool_calls false)
 
     @property
     def returns_calls(self) -> bool:
@@ -65,9 +68,10 @@ class ToolPlan:
             except json.JSONDecodeError:
                 return text, []
             calls = [call_from_object(item, "parameters") for item in items]
-            return (None, calls) if calls and all(calls) else (text, [])
+            return (None, calls[: self.max_calls]) if calls and all(calls) else (text, [])
         if self.mode == "auto":
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)
+            return content, calls[: self.max_calls]
         return text, []
 
     def stream(self) -> ChoiceStream:
@@ -79,7 +83,7 @@ class ChoiceStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.auto = plan.parser.stream() if plan.mode == "auto" else None
+        self.auto = plan.parser.stream(plan.max_calls) if plan.mode == "auto" else None
         self.text = ""
         self.header_sent = False
         self.has_calls = False
@@ -128,7 +132,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     if tool_choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", tools=tools or None)
     if not functions:
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if tool_choice == "auto":
@@ -136,10 +140,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
                   else parser_for_template(chat_template))
         if parser is None:
             raise APIError(400, "tool_choice 'auto' needs a chat template with a tool-call "
-                           "syntax vmkv can read (hermes <tool_call>, Llama 3 JSON); use "
-                           "'required' or a named function, or --tool-call-parser",
-                           "tool_choice")
-        return ToolPlan("auto", tools=tools, parser=parser)
+                           "syntax vmkv can read (hermes <tool_call>, mistral [TOOL_CALLS], "
+                           "Llama 3 JSON, pythonic); use 'required' or a named function, or "
+                           "--tool-call-parser", "tool_choice")
+        return ToolPlan("auto", tools=tools, parser=parser,
+                        max_calls=None if parallel_tool_calls else 1)
     if tool_choice == "required":
         return ToolPlan("required", tools=tools,
                         structure=StructuredOutputsParams(json=_required_schema(

@@ -8,6 +8,11 @@ once whatever a request body holds:
     tokenise, chat template, detokenise -> worker threads (the Rust tokenizer releases the GIL
                               while encoding and batch-decoding; Jinja templates are Python,
                               which hands the GIL over every few ms)
+    whole response bodies       -> body threads (server/bodies.py; never refused: their request
+                              already ran)
+
+Every pool's threads exist from the start, so the server's thread count does not depend on how
+many jobs once overlapped.
 
 At most ``max_pending`` tokenizer jobs wait or run (the server passes
 ``--max-waiting-requests``: a request being prepared counts like one waiting in the engine), and
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
@@ -39,6 +45,16 @@ THREADS = 2
 PROCESSES = 1
 MAX_PENDING = 1024  # tokenizer jobs waiting or running
 MAX_PENDING_BYTES = 64 << 20  # bytes of bodies waiting for (or in) the parser process
+
+
+def started_pool(threads: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A thread pool whose ``threads`` threads all exist on return (a pool starts a thread
+    only when every one it has is busy: each job here waits until all have started)."""
+    pool = concurrent.futures.ThreadPoolExecutor(threads, name)
+    barrier = threading.Barrier(threads)
+    for job in [pool.submit(barrier.wait) for _ in range(threads)]:
+        job.result()
+    return pool
 
 
 class ServerBusyError(RuntimeError):
@@ -85,7 +101,8 @@ class Workers:
         self.limits = limits
         self.inline_bytes = inline_bytes
         self.processes = processes
-        self._threads = concurrent.futures.ThreadPoolExecutor(threads, "vmkv-worker")
+        self._threads = started_pool(threads, "vmkv-worker")
+        self._bodies = started_pool(threads, "vmkv-body")
         self._procs: concurrent.futures.ProcessPoolExecutor | None = None
         self._limit = {"thread": max_pending, "process": max_pending_bytes}
         self._pending = {"thread": 0, "process": 0}  # jobs; bytes
@@ -107,15 +124,19 @@ class Workers:
             raise ServerBusyError("a request parser process died; retry") from None
 
     # -- tokenizer work ---------------------------------------------------------------------
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt (the model's special tokens added, as for generation)."""
-        return await self.run(lambda: self.tokenizer(text).input_ids)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (with the model's special tokens, as for generation, unless
+        ``add_special_tokens`` is false)."""
+        return await self.run(
+            lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a chat (its template rendered with ``tools`` when given)."""
+                          tools: list[dict[str, Any]] | None = None, **options: Any
+                          ) -> list[int]:
+        """Token ids of a chat (its template rendered with ``tools`` when given, and the
+        options of :func:`vmkv.chat_template.chat_token_ids`)."""
         return await self.run(chat_token_ids, self.tokenizer, messages, add_generation_prompt,
-                              tools)
+                              tools, **options)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """``tokenizer.decode(ids)``. Where that is exactly the Rust tokenizer's decode (no
@@ -132,6 +153,11 @@ class Workers:
         """``fn(*args, **kwargs)`` on a worker thread."""
         return await self._bounded("thread", 1, self._threads, lambda: fn(*args, **kwargs))
 
+    async def build(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a body thread: a response body (never refused, unlike the
+        tokenizer work: its request already ran)."""
+        return await asyncio.get_running_loop().run_in_executor(self._bodies, fn, *args)
+
     # -- plumbing ---------------------------------------------------------------------------
     async def _bounded(self, pool: str, cost: int, executor: concurrent.futures.Executor,
                        fn: Callable[..., T], *args: Any) -> T:
@@ -147,6 +173,7 @@ class Workers:
     def close(self) -> None:
         """Stop the pools (queued jobs are dropped, the worker process exits)."""
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._bodies.shutdown(wait=False, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=False, cancel_futures=True)
             self._procs = None

@@ -114,7 +114,7 @@ def test_combined_snapshot_sums_counts_and_recomputes_shares() -> None:
 
 @pytest.fixture(scope="module")
 def dp_srv(default_model: object) -> Iterator[Running]:
-    yield from serve(EngineConfig(data_parallel_size=2, **SMALL))
+    yield from serve(EngineConfig(data_parallel_size=2, **SMALL), dev_mode=True)
 
 
 @pytest.fixture(scope="module")

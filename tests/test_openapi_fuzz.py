@@ -43,8 +43,9 @@ def test_no_generated_input_gets_a_server_error(fuzzed: Running,
                                                 mode: schemathesis.GenerationMode) -> None:
     """Every operation, bodies from its schema (positive: valid ones, negative: violations)."""
     ops = operations(fuzzed.url)
-    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/tokenize",
-                                        "/detokenize", "/health", "/metrics"}
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions",
+                                        "/v1/responses", "/tokenize", "/detokenize", "/health",
+                                        "/metrics"}
     for op in ops:
         if mode is schemathesis.GenerationMode.NEGATIVE and not op.body:
             continue  # no body, no parameters: nothing to violate

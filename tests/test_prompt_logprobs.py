@@ -89,9 +89,11 @@ def test_prompt_logprobs_survive_recompute_preemption(reference: list) -> None:
 def test_max_tokens_zero_is_only_for_scoring() -> None:
     with pytest.raises(ValueError, match="0 only with prompt_logprobs"):
         SamplingParams(max_tokens=0)
-    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
-        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
+        SamplingParams(prompt_logprobs=-1)
     llm = LLM(max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be at most 20 \(max_logprobs\)"):
+        llm.generate("hi", SamplingParams(max_tokens=0, prompt_logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="needs n=1"):
         llm.generate("hi", SamplingParams(max_tokens=0, prompt_logprobs=0, n=2), use_tqdm=False)
     assert not llm.engine.requests

@@ -40,7 +40,8 @@ def test_defaults_are_vllms() -> None:
         min_tokens=0, stop=(), stop_token_ids=(), ignore_eos=False, logprobs=None,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
         include_stop_str_in_output=False, skip_special_tokens=True, prompt_logprobs=None,
-        structured_outputs=None, output_kind=RequestOutputKind.CUMULATIVE,
+        structured_outputs=None, output_kind=RequestOutputKind.CUMULATIVE, logit_bias=None,
+        allowed_token_ids=None, bad_words=None, truncate_prompt_tokens=None,
     )  # fmt: skip
     assert dataclasses.asdict(p) == expected
     assert not p.is_greedy
@@ -72,9 +73,11 @@ def test_is_greedy(temperature: float, is_greedy: bool) -> None:
     "kwargs",
     [
         dict(top_k=-1), dict(top_k=0), dict(top_p=1.0), dict(min_p=1.0), dict(logprobs=0),
-        dict(logprobs=MAX_LOGPROBS), dict(seed=0), dict(seed=-5), dict(max_tokens=None,
-        min_tokens=10_000), dict(min_tokens=16), dict(presence_penalty=-2, frequency_penalty=2),
-        dict(repetition_penalty=0.01), dict(temperature=0),
+        dict(logprobs=MAX_LOGPROBS), dict(logprobs=1000), dict(seed=0), dict(seed=-5),
+        dict(max_tokens=None, min_tokens=10_000), dict(min_tokens=16),
+        dict(presence_penalty=-2, frequency_penalty=2), dict(repetition_penalty=0.01),
+        dict(temperature=0), dict(logit_bias={3: -100, 4: 100.0}), dict(allowed_token_ids=[0]),
+        dict(bad_words=["a b"]), dict(truncate_prompt_tokens=-1), dict(truncate_prompt_tokens=1),
     ],
 )  # fmt: skip
 def test_valid_edges_are_accepted(kwargs: dict[str, object]) -> None:
@@ -111,7 +114,6 @@ BAD = [
     ("repetition_penalty", -1.0, "-1.0"),
     ("repetition_penalty", math.inf, "inf"),
     ("logprobs", -1, "-1"),
-    ("logprobs", MAX_LOGPROBS + 1, str(MAX_LOGPROBS + 1)),
     ("logprobs", 2.0, "2.0"),
     ("stop", "", "''"),
     ("stop", ["ok", ""], "''"),
@@ -124,6 +126,19 @@ BAD = [
     ("ignore_eos", "yes", "'yes'"),
     ("include_stop_str_in_output", 1, "1"),
     ("skip_special_tokens", None, "None"),
+    ("logit_bias", {5: 101}, "101"),
+    ("logit_bias", {5: -100.5}, "-100.5"),
+    ("logit_bias", {-1: 1}, "-1"),
+    ("logit_bias", {"5": 1}, "'5'"),
+    ("logit_bias", [5], "[5]"),
+    ("allowed_token_ids", [], "empty"),
+    ("allowed_token_ids", [1.0], "1.0"),
+    ("allowed_token_ids", 5, "5"),
+    ("bad_words", "word", "'word'"),
+    ("bad_words", ["ok", " "], "' '"),
+    ("truncate_prompt_tokens", 0, "0"),
+    ("truncate_prompt_tokens", -2, "-2"),
+    ("truncate_prompt_tokens", 1.5, "1.5"),
 ]
 
 

@@ -38,8 +38,12 @@ class Running:
         self.thread.join(10)
 
 
-def start(engine: AsyncEngine, **config: object) -> Running:
-    app = build_app(engine, ServerConfig(served_model_name=MODEL, **config))
+def start(engine: AsyncEngine, dev_mode: bool = False, **config: object) -> Running:
+    """Serve ``engine`` on a free port (``dev_mode``: with the development routes, as
+    ``VMKV_SERVER_DEV_MODE=1`` gives them)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VMKV_SERVER_DEV_MODE", "1" if dev_mode else "0")
+        app = build_app(engine, ServerConfig(**{"served_model_name": MODEL, **config}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -66,7 +70,7 @@ def engine() -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="module")
 def srv(engine: AsyncEngine) -> Iterator[Running]:
-    running = start(engine)
+    running = start(engine, dev_mode=True)
     yield running
     running.stop()
 
@@ -263,7 +267,7 @@ def test_non_streaming_client_disconnect_aborts(srv: Running) -> None:
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "tokens"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
@@ -281,7 +285,7 @@ def test_bad_requests_get_openai_errors(srv: Running, path: str, body: dict, sta
 
 
 def test_malformed_json_and_body_limit_and_api_key(engine: AsyncEngine) -> None:
-    guarded = start(engine, api_key="s3cret", max_body_bytes=2048)
+    guarded = start(engine, dev_mode=True, api_key="s3cret", max_body_bytes=2048)
     try:
         url = guarded.url
         ok = {"Authorization": "Bearer s3cret"}

@@ -144,7 +144,7 @@ LIMIT = 4 << 20
     ("4 MiB of text", json.dumps({"prompt": "hello world " * (LIMIT // 12 - 10)}).encode(),
      "prompt", "characters, more than the"),
     ("2M token ids", b'{"prompt": [' + b",".join([b"1"] * (LIMIT // 2 - 20)) + b"]}",
-     "tokens", "token ids; at most 8192"),
+     "prompt", "token ids; at most 8192"),
     ("1M prompts", b'{"prompt": [' + b",".join([b"[1]"] * (LIMIT // 4 - 20)) + b"]}",
      "prompt", "prompts in one request; at most 1024"),
     ("4 MiB of messages", json.dumps({"messages": [{"role": "user", "content": ""}]

@@ -19,7 +19,14 @@ from tool_model import save_qwen_tool_model
 
 from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
-from vmkv.server.tool_parsers import HermesParser, Llama3JsonParser
+from vmkv.server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    PythonicParser,
+    ToolCallParser,
+    parser_for_template,
+)
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 16},
@@ -93,19 +100,111 @@ def test_llama3_json_parser() -> None:
     assert p.parse('{"name": "add"') == ('{"name": "add"', [])
 
 
+def test_mistral_parser() -> None:
+    p = MistralParser()
+    content, calls = p.parse('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                             '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    assert content == "Sure." and [c.name for c in calls] == ["add", "get_weather"]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # what Mistral's templates take
+    content, calls = p.parse('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]add[ARGS]{"a": 2}')
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"a": 1}, {"a": 2}]
+    assert p.parse("[TOOL_CALLS][{broken") == ("[TOOL_CALLS][{broken", [])
+    assert p.parse("no calls") == ("no calls", [])
+
+
+def test_pythonic_parser() -> None:
+    p = PythonicParser()
+    content, calls = p.parse('[get_weather(city="Paris", unit="celsius"), add(a=-1, b=2.5), '
+                             'f(flag=true, none=None, xs=[1, {"k": "v"}])]')
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": -1, "b": 2.5}),
+        ("f", {"flag": True, "none": None, "xs": [1, {"k": "v"}]})]
+    assert p.parse("<|python_start|>[f(x=1)]<|python_end|>")[1][0].name == "f"
+    for text in ["[f(1)]", "[f(x=y)]", "[os.system(x='1')]", "Sure: [f(x=1)]", "[f(x=1)",
+                 "[f(**k)]", "[]"]:
+        assert p.parse(text) == (text, []), text
+
+
+def test_parsers_are_picked_from_the_template() -> None:
+    assert isinstance(parser_for_template("... <tool_call> ..."), HermesParser)
+    assert isinstance(parser_for_template("... [TOOL_CALLS] ..."), MistralParser)
+    assert isinstance(parser_for_template("<|python_start|> ... ipython"), PythonicParser)
+    assert isinstance(parser_for_template("<|python_tag|>"), Llama3JsonParser)
+    assert parser_for_template("{{ messages }}") is None
+
+
 def test_streams_hold_back_what_may_become_a_tool_call() -> None:
     stream = HermesParser().stream()
-    assert stream.feed("Sure, <tool", False) == [{"content": "Sure, "}]
+    assert stream.feed("Sure, <tool", False) == [{"content": "Sure,"}]  # blanks held too
     assert stream.feed('_call>\n{"name": "add", "arguments": {"a": 1}}', False) == []
     deltas = stream.feed("\n</tool_call>", True)
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "add",
                                                       "arguments": '{"a": 1}'}
     plain = HermesParser().stream()
-    assert plain.feed("a <t", False) == [{"content": "a "}]
-    assert plain.feed("> c", True) == [{"content": "<t> c"}]
+    assert plain.feed("a <t", False) == [{"content": "a"}]
+    assert plain.feed("> c", True) == [{"content": " <t> c"}]
     llama = Llama3JsonParser().stream()
     assert llama.feed("  {", False) == []
     assert llama.feed('"name": "add", "parameters": {}}', True)[0]["tool_calls"][0]["index"] == 0
+
+
+HERMES_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+TWO_CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+REPLIES = [
+    (HermesParser, HERMES_REPLY),
+    (HermesParser, TWO_CALLS),
+    (HermesParser, '  Two calls:  \n\n<tool_call>{"name": "add", "arguments": {"a": 1}}'
+                   '</tool_call>\n<tool_call>{"name": "add", "arguments": {"b": 2}}'
+                   '</tool_call>'),
+    (HermesParser, "  plain text, kept as it is  \n"),
+    (HermesParser, "broken <tool_call>{nope</tool_call>"),
+    (Llama3JsonParser, '\n<|python_tag|>{"name": "add", "parameters": {"a": 1}}'),
+    (Llama3JsonParser, "<|python hello"),
+    (MistralParser, 'Let me see. \n[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'),
+    (PythonicParser, ' [add(a=1), add(b=2)]'),
+    (PythonicParser, "[not a call"),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), REPLIES)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("max_calls", [None, 1])
+def test_streamed_replies_merge_to_the_non_streamed_reply(
+        parser: type[ToolCallParser], text: str, chunk: int, max_calls: int | None) -> None:
+    """The streamed content is the non-streamed content, trimmed the same way, whatever the
+    chunks; the calls are the same (at most max_calls: parallel_tool_calls false)."""
+    content, calls = parser().parse(text)
+    stream = parser().stream(max_calls)
+    deltas = []
+    for i in range(0, len(text), chunk):
+        deltas += stream.feed(text[i : i + chunk], False)
+    deltas += stream.feed("", True)
+    streamed = "".join(d.get("content", "") for d in deltas)
+    assert streamed == (content or "")
+    streamed_calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert streamed_calls == [c.as_dict()["function"] for c in calls][:max_calls]
+    assert all(d["tool_calls"][0]["index"] == i for i, d in enumerate(
+        d for d in deltas if "tool_calls" in d))
+
+
+def test_streaming_scans_only_the_new_text() -> None:
+    """Each chunk costs its own length: the stream never rescans the whole reply."""
+    parser = HermesParser()
+    seen: list[int] = []
+    scan = parser.scan
+
+    def counting(text: str, start: int):  # noqa: ANN202
+        seen.append(len(text) - max(0, start - len(parser.MARKER) + 1))
+        return scan(text, start)
+
+    parser.scan = counting  # type: ignore[method-assign]
+    stream = parser.stream()
+    for _ in range(2000):
+        stream.feed("word ", False)
+    assert max(seen) <= len("word ") + len(parser.MARKER)
 
 
 # -- required and named, on the default model ----------------------------------------------------
@@ -206,10 +305,6 @@ def forced(text: str) -> dict:
     return {"structured_outputs": {"regex": pattern.replace("\n", "\\n")}}
 
 
-HERMES_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                '{"city": "Paris", "unit": "celsius"}}\n</tool_call>')
-
-
 def test_auto_parses_hermes_tool_calls_and_round_trips(qwen: Running) -> None:
     client = client_of(qwen)
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80,
@@ -225,7 +320,7 @@ def test_auto_parses_hermes_tool_calls_and_round_trips(qwen: Running) -> None:
                                             max_tokens=80, stream=True,
                                             extra_body=forced(HERMES_REPLY))
     content, calls, finish = reassemble(stream)
-    assert finish == "tool_calls" and content.strip() == "I will look it up."
+    assert finish == "tool_calls" and content == "I will look it up."  # trimmed as above
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (call.function.name, json.loads(call.function.arguments))]
 
@@ -256,6 +351,28 @@ def test_auto_without_a_call_is_plain_content(qwen: Running) -> None:
                                           tool_choice="none", max_tokens=120,
                                           extra_body=forced(HERMES_REPLY))
     assert none.choices[0].message.content == HERMES_REPLY  # none: text, never parsed
+    # ... but the tools are in the prompt, as vLLM renders them
+    assert none.usage.prompt_tokens == r.usage.prompt_tokens
+    bare = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    assert none.usage.prompt_tokens > bare.usage.prompt_tokens + 50
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(qwen: Running) -> None:
+    client = client_of(qwen)
+    both = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200,
+                                          extra_body=forced(TWO_CALLS))
+    assert [json.loads(c.function.arguments) for c in both.choices[0].message.tool_calls] == [
+        {"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200,
+                                         parallel_tool_calls=False, extra_body=forced(TWO_CALLS))
+    (call,) = one.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                            max_tokens=200, parallel_tool_calls=False,
+                                            stream=True, extra_body=forced(TWO_CALLS))
+    content, calls, finish = reassemble(stream)
+    assert (content, finish, len(calls)) == ("", "tool_calls", 1)
+    assert json.loads(calls[0]["arguments"]) == {"a": 1, "b": 2}
 
 
 def test_auto_with_the_llama3_json_parser(qwen_path: Path) -> None:

@@ -36,7 +36,8 @@ LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.li
 #: ``premap_pages`` of CPU engines unless set: a growth maps 3 pages, not 1, in each region
 #: (cold runs of the vLLM workload: time in ``allocate`` 0.62 -> 0.35 s; docs/benchmarks.md)
 CPU_PREMAP_PAGES = 2
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # vmkv.server.tool_parsers
+#: server/tool_parsers/
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 #: CUDA attention kernels (vmkv.attention.kernel_choice)
 ATTENTION_BACKENDS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
@@ -59,6 +60,7 @@ class Option:
         flag: offered as ``--field-name`` (False: the commands add it their own way, or not).
         env: the environment variable the default comes from: the command line's (a
             ServerConfig field), or, for an EngineConfig field left None, the config's own.
+        many: a tuple of str; the flag takes one or more values.
     """
 
     help: str
@@ -67,6 +69,7 @@ class Option:
     size: bool = False
     flag: bool = True
     env: envs.EnvVar | None = None
+    many: bool = False
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:
@@ -222,6 +225,9 @@ class EngineConfig:
         None, "tensor parallelism's debug mode: every rank's KV manager is compared with rank "
         "0's after every step; default: $VMKV_TP_CHECK, else off", env=envs.VMKV_TP_CHECK)
     seed: int = option(0, "seed of the shared generator for unseeded sampling")
+    max_logprobs: int = option(
+        20, "most top logprobs (`logprobs`, `top_logprobs`, `prompt_logprobs`) one request may "
+        "ask for; -1: the whole vocabulary (vLLM's flag)", minimum=-1)
     data_parallel_size: int = option(
         1, "independent engine replicas, each in its own process with its own KV cache, "
         "behind one router (least loaded, sticky by prompt prefix; docs/distributed.md); "
@@ -316,8 +322,9 @@ class ServerConfig:
         None, "require `Authorization: Bearer <key>` on every route that does work (all but "
         "/health, /version, /metrics and the OpenAPI pages; default: $VMKV_API_KEY)",
         env=envs.VMKV_API_KEY)
-    served_model_name: str | None = option(
-        None, "the model's name in the API; default: the model folder's name")
+    served_model_name: tuple[str, ...] | None = option(
+        None, "the model's names in the API (one or more): requests may use any, responses "
+        "report the first; default: the model folder's name", many=True)
     max_body_bytes: int = option(
         4 << 20, "largest request body (bigger: 413), e.g. 4M", minimum=1, size=True)
     max_n: int = option(16, "most choices (`n`) one request may ask for", minimum=1,
@@ -334,7 +341,34 @@ class ServerConfig:
     tool_call_parser: str = option(
         "auto", "how `tool_choice: auto` reads tool calls in the model's text: hermes "
         "(<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), or auto (from the chat "
-        "template)", choices=TOOL_CALL_PARSERS)
+        "template), mistral ([TOOL_CALLS] JSON), pythonic ([f(x=1)]: Llama 3.2/4)",
+        choices=TOOL_CALL_PARSERS)
+    chat_template: str | None = option(
+        None, "the chat template: a file, or the Jinja text itself; default: the tokenizer's")
+    trust_request_chat_template: bool = option(
+        False, "let requests bring their own `chat_template` (it runs in Jinja's sandbox, but "
+        "can still loop for long); off: such a request gets 400")
+    generation_config: str = option(
+        "auto", "default sampling of requests that do not set it: auto (the model folder's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vmkv (vmkv's defaults only), or a folder holding a "
+        "generation_config.json")
+    allowed_origins: tuple[str, ...] | None = option(
+        None, "browser origins allowed to call the API (CORS), e.g. https://app.example.com, "
+        "or *; default: none (no CORS headers)", many=True)
+    enable_log_requests: bool = option(
+        False, "log every request: its id, route, sampling parameters and prompt (the first "
+        "`--max-log-len` characters)")
+    max_log_len: int = option(
+        200, "characters of each prompt `--enable-log-requests` logs", minimum=0)
 
     def __post_init__(self) -> None:
+        for name in ("served_model_name", "allowed_origins"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None:
+                object.__setattr__(self, name, tuple(value))
+                if not value:
+                    raise ValueError(f"{name} must name at least one, got none")
         check_options(self)

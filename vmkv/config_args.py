@@ -49,6 +49,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
             continue
+        if opt.many:
+            parser.add_argument(flag_name(f.name), nargs="+", default=default, help=help_text)
+            continue
         arg_type = (parse_size if opt.size else int if int in kind
                     else float if float in kind else str)
         parser.add_argument(flag_name(f.name), type=arg_type, choices=opt.choices,

@@ -66,6 +66,10 @@ VMKV_PROCESS_TUNING = EnvVar(
 VMKV_API_KEY = EnvVar(
     "VMKV_API_KEY", None,
     "default of `--api-key` (`vmkv serve`, `vmkv bench serve`); unset: no key")
+VMKV_SERVER_DEV_MODE = EnvVar(
+    "VMKV_SERVER_DEV_MODE", "0",
+    "1: `vmkv serve` also offers its development routes (`POST /reset_prefix_cache`), as "
+    "vLLM does with `VLLM_SERVER_DEV_MODE=1`; unset or 0: they answer 404")
 VMKV_CACHE = EnvVar(
     "VMKV_CACHE", "~/.cache/vmkv", "converted models (`<VMKV_CACHE>/models/`)")
 VMKV_BUILD_DIR = EnvVar(
@@ -102,8 +106,8 @@ ALL: tuple[EnvVar, ...] = (
     VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_AUTO_DTYPE, VMKV_FUSED_LAYERS,
     VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
-    VMKV_API_KEY, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK, RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
+    VMKV_API_KEY, VMKV_SERVER_DEV_MODE, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK,
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OMP_WAIT_POLICY, GOMP_SPINCOUNT,
 )
 
 _OFF = ("0", "false", "no", "off")
@@ -141,6 +145,10 @@ def process_tuning() -> bool:
 
 def api_key() -> str | None:
     return VMKV_API_KEY.get()
+
+
+def server_dev_mode() -> bool:
+    return switch(VMKV_SERVER_DEV_MODE)
 
 
 def cache_dir() -> Path:

@@ -16,7 +16,9 @@ from typing import Any
 
 from vmkv.structured.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's cap for chat completions)
+MAX_LOGPROBS = 20  # default --max-logprobs: most top logprobs a request may ask for (OpenAI's cap)
+#: a logit_bias in OpenAI's range; -100 bans the token (vmkv makes it exact: the logit is -inf)
+MAX_LOGIT_BIAS = 100.0
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (dividing by them overflows)
 #: the highest temperature accepted: already at 100 sampling is uniform to within float noise for
 #: any realistic logit range, so a larger value (1e9) is a mistake, refused rather than obeyed
@@ -62,7 +64,7 @@ class SamplingParams:
             non-negative ints (None -> ()).
         ignore_eos: keep generating after EOS (it may still be sampled).
         logprobs: None for no logprobs; k >= 0 returns the sampled token's logprob and the top
-            k (token, logprob) pairs, k <= MAX_LOGPROBS (20).
+            k (token, logprob) pairs; the engine caps k at its ``max_logprobs`` (20 by default).
         presence_penalty: subtracted once from every token already in the output, in [-2, 2].
         frequency_penalty: subtracted per occurrence in the output, in [-2, 2].
         repetition_penalty: > 0; tokens in the prompt or output have positive logits divided
@@ -70,12 +72,19 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the returned text.
         skip_special_tokens: drop special tokens when detokenizing.
         prompt_logprobs: None for none; k >= 0 returns, for every prompt token after the first,
-            its logprob given the tokens before it and the top k (token, logprob) pairs,
-            k <= MAX_LOGPROBS (the first prompt token has no logprob: None).
+            its logprob given the tokens before it and the top k (token, logprob) pairs (capped
+            as ``logprobs``; the first prompt token has no logprob: None).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (:class:`~vmkv.structured.StructuredOutputsParams`, or a dict of its fields).
         output_kind: what each step returns (:class:`RequestOutputKind`); ``LLM.generate``
             asks for FINAL_ONLY and the server for DELTA whatever is set here.
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling (OpenAI's
+            meaning), each bias in [-100, 100]; -100 bans the token outright.
+        allowed_token_ids: only these token ids may be sampled (None: all).
+        bad_words: words that must not be generated: each word's tokens (with and without a
+            leading space) may not be completed in the output (vLLM's meaning).
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1); -1 keeps the last
+            ``max_model_len``. The engine truncates at admission.
 
     A sequence that ends on EOS or on one of ``stop_token_ids`` does not return that token's
     text unless ``include_stop_str_in_output`` is set (its id is in ``token_ids`` either way).
@@ -101,11 +110,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
+    bad_words: list[str] | tuple[str, ...] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_limits()
         self._check_stops()
+        self._check_token_constraints()
         if isinstance(self.structured_outputs, dict):
             self._set("structured_outputs", StructuredOutputsParams.from_dict(
                 self.structured_outputs))
@@ -117,6 +131,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` shape the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -170,8 +189,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 value = self._int(name, "an int or None")
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+                if value < 0:
+                    raise ValueError(f"{name} must be >= 0 or None, got {value}")
 
     def _check_stops(self) -> None:
         stop = self.stop
@@ -202,6 +221,42 @@ class SamplingParams:
                 )
         self._set("stop_token_ids", tuple(int(i) for i in ids))
 
+    def _check_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got "
+                                 f"{self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                _token_id(token, "logit_bias")
+                if (isinstance(value, bool) or not isinstance(value, Real)
+                        or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} "
+                                     f"for token {token}")
+                bias[int(token)] = float(value)
+            self._set("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise ValueError(f"allowed_token_ids must be a list of int, got {ids!r}")
+            ids = tuple(_token_id(t, "allowed_token_ids") for t in ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (nothing could be sampled)")
+            self._set("allowed_token_ids", ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, Iterable):
+                raise ValueError(f"bad_words must be a list of str, got {words!r}")
+            words = tuple(words)
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be non-blank strings, got {list(words)!r}")
+            self._set("bad_words", words)
+        k = self.truncate_prompt_tokens
+        if k is not None and (self._int("truncate_prompt_tokens", "an int or None") < 1
+                              and k != -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (max_model_len) or None,"
+                             f" got {k}")
+
     def _real(self, name: str) -> float:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, Real):
@@ -215,3 +270,10 @@ class SamplingParams:
             raise ValueError(f"{name} must be {kind}, got {value!r}")
         self._set(name, int(value))
         return int(value)
+
+
+def _token_id(token: Any, name: str) -> int:
+    """``token`` as a token id (an int >= 0); ValueError naming ``name`` otherwise."""
+    if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
+        raise ValueError(f"{name} must hold token ids (ints >= 0), got {token!r}")
+    return int(token)

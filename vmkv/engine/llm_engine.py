@@ -22,7 +22,7 @@ from vmkv.engine.front import stop_token_ids
 from vmkv.engine.output_processor import OutputProcessor
 from vmkv.engine.outputs import RequestOutput
 from vmkv.engine.scheduler import Scheduler
-from vmkv.engine.sequence import Request, Sequence
+from vmkv.engine.sequence import Request, Sequence, truncate_prompt
 from vmkv.engine.step_plan import plan_step
 from vmkv.executor import Executor, create_executor
 from vmkv.kernels import cpu_kernels
@@ -30,6 +30,7 @@ from vmkv.kv.base import VmmError
 from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
+from vmkv.sampling.token_constraints import bad_words_token_ids
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache
 
@@ -149,6 +150,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        self._check_token_params(params)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs "
@@ -164,7 +167,9 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
             grammar = self.grammars.new_state(params.structured_outputs)
-        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt)
+        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt,
+                      bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                              params.bad_words or ()))
         if arrival_time is not None:
             req.arrival_time = arrival_time
         seq = self.outputs.new_request(req, grammar)
@@ -181,12 +186,28 @@ class LLMEngine:
         else:
             ids, text = list(prompt), None
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids
+                   if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
         if not ids:
             raise ValueError("the prompt is empty")
         return text, ids
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """ValueError for logprobs past ``max_logprobs`` or token ids past the vocabulary."""
+        vocab = self.model_config.vocab_size
+        most = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                raise ValueError(f"{name} must be at most {most} (max_logprobs), got {value}")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad[:5]}")
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len

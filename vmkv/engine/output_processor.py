@@ -88,7 +88,8 @@ class OutputProcessor:
         if index and params.seed is not None:  # each sample its own reproducible stream
             params = replace(params, seed=(params.seed + index) % 2**63)
         state = SamplingState(params, req.prompt_token_ids, [], self.eos_token_ids,
-                              grammar=grammar, device=self.device)
+                              grammar=grammar, bad_words_token_ids=req.bad_words_token_ids,
+                              device=self.device)
         seq = Sequence(f"{req.request_id}:{index}", req, index, token_ids,
                        len(req.prompt_token_ids), state)
         seq.output = SeqOutputState(IncrementalDetokenizer(

@@ -45,11 +45,21 @@ class Request:
     # with params.prompt_logprobs: prompt tokens scored so far (the first counts: it has none)
     num_prompt_logprobs: int | None = None
     output: Any = None  # vmkv.engine.output_processor.RequestOutputState
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenised
 
     @property
     def is_finished(self) -> bool:
         """Every sequence finished and no sample is still to be forked."""
         return all(s.is_finished for s in self.seqs) and not self.seqs[0].pending_forks
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last ``keep`` prompt tokens (``SamplingParams.truncate_prompt_tokens``; -1: the last
+    ``max_model_len``; None: all)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 @dataclass(eq=False)

@@ -3,6 +3,7 @@
     raw logits --log_softmax--> logprobs returned to the user (see ``logprobs.py``)
         |
     penalties (repetition over prompt+output; presence/frequency over output)
+    token constraints (logit_bias, allowed_token_ids, bad_words: token_constraints.py)
     min_tokens (EOS and stop ids at -inf until enough outputs)
     grammar bitmask (structured outputs: tokens the row's grammar forbids at -inf)
         |-- greedy rows: argmax
@@ -26,6 +27,7 @@ from vmkv.sampling.grammar import apply_grammar_bitmask, constrained_rows
 from vmkv.sampling.logprobs import gather_logprobs
 from vmkv.sampling.penalties import apply_min_tokens, apply_penalties
 from vmkv.sampling.state import SamplingState
+from vmkv.sampling.token_constraints import apply_token_constraints
 from vmkv.sampling.truncation import apply_min_p, apply_top_k, apply_top_p
 from vmkv.sampling_params import SamplingParams
 
@@ -69,12 +71,15 @@ class Sampler:
 
         penalised_rows = [i for i, s in enumerate(states) if _has_penalty(s.params)]
         grammar_rows = constrained_rows(states)
-        if (not penalised_rows and not grammar_rows and all(s.params.is_greedy for s in states)
+        token_rows = [i for i, s in enumerate(states) if s.params.has_token_constraints]
+        if (not penalised_rows and not grammar_rows and not token_rows
+                and all(s.params.is_greedy for s in states)
                 and not any(s.masked_token_ids for s in states)):
             token_ids = argmax_rows(logits)  # the common greedy batch: no copy of [B, V]
         else:
             logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
             apply_penalties(logits, states, penalised_rows)
+            apply_token_constraints(logits, states, token_rows)
             apply_min_tokens(logits, states, skip_rows=grammar_rows)
             apply_grammar_bitmask(logits, states, grammar_rows)
             token_ids = self._sample(logits, states)  # token_ids: [B] int64

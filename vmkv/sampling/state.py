@@ -28,6 +28,8 @@ class SamplingState:
             requests, which share the sampler's generator.
         grammar: the structured-output matcher (``vmkv.structured.matcher.GrammarState``) of
             a constrained request, advanced by the engine; None when unconstrained.
+        bad_words_token_ids: ``params.bad_words`` as token sequences (the engine tokenises
+            them at admission: ``token_constraints.bad_words_token_ids``).
     """
 
     params: SamplingParams
@@ -36,6 +38,7 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
     grammar: Any = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     device: InitVar[torch.device | str] = "cpu"
 
     def __post_init__(self, device: torch.device | str) -> None:

@@ -4,8 +4,9 @@
 the server compiles a request's grammar in a worker thread before submitting it and the engine
 thread, which asks again at ``add_request``, only finds it in the cache; an engine loop given a
 request whose grammar is not compiled yet compiles it on a helper thread first
-(vmkv/engine/commands.py), so steps never wait for a compile. Everything xgrammar
-cannot parse, and JSON-schema keywords it would silently not enforce, is a ``ValueError``.
+(vmkv/engine/commands.py), so steps never wait for a compile. Everything xgrammar cannot parse,
+and JSON-schema keywords it would silently not enforce (``schema_check.py``), is a
+``ValueError``.
 
 xgrammar (which imports pydantic) is imported on the first structured request only, so an engine
 that serves none runs where it is absent (the GPU image).
@@ -16,12 +17,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vmkv.structured.matcher import GrammarState
 from vmkv.structured.params import StructuredOutputsParams
+from vmkv.structured.schema_check import check_schema_supported
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -34,14 +35,11 @@ CACHE_SIZE = 512
 #: 24 still allows pretty-printing five levels deep)
 MAX_WHITESPACE_RUN = 24
 
-#: keywords xgrammar 0.2 accepts but does not enforce (checked in tests/test_structured.py);
-#: a schema using them would produce output that does not validate, so it is refused
-UNENFORCED_KEYWORDS = ("multipleOf", "contains", "minContains", "maxContains", "not", "if",
-                       "then", "else", "dependentSchemas", "dependencies",
-                       "unevaluatedProperties", "unevaluatedItems")
-
-#: keys whose value maps names (not keywords) to subschemas
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+#: JSON strings of bounded length are compiled by xgrammar 0.2.9 as ``[^"\\\r\n]{m,n}``,
+#: which lets raw control characters (U+0000..U+001F) into a string: invalid JSON. The grammar
+#: text is patched to refuse them (as its unbounded strings already do).
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 @dataclass
@@ -112,12 +110,7 @@ class GrammarCompilerCache:
             check_schema_supported(json.loads(params.json))
         try:
             if kind in ("json", "json_object"):
-                # json_object: any object (xgrammar's builtin JSON grammar allows any value)
-                schema = params.json if kind == "json" else '{"type": "object"}'
-                return compiler.compile_json_schema(
-                    schema, strict_mode=kind == "json",
-                    any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=MAX_WHITESPACE_RUN)
+                return compiler.compile_grammar(json_grammar(params))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -131,34 +124,21 @@ class GrammarCompilerCache:
         return GrammarState(self.compile(params))
 
 
+def json_grammar(params: StructuredOutputsParams) -> str:
+    """The EBNF grammar of a ``json`` or ``json_object`` constraint (json_object: any object),
+    whose strings never hold a raw control character."""
+    import xgrammar as xgr
+
+    schema = params.json if params.kind == "json" else '{"type": "object"}'
+    grammar = xgr.Grammar.from_json_schema(
+        schema, strict_mode=params.kind == "json",
+        any_whitespace=not params.disable_any_whitespace, max_whitespace_cnt=MAX_WHITESPACE_RUN)
+    return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """An EBNF grammar whose only sentences are ``choices`` (JSON string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def check_schema_supported(schema: Any) -> None:
-    """ValueError if the schema uses a keyword of :data:`UNENFORCED_KEYWORDS` anywhere."""
-    for path, keyword in _keywords(schema, "#"):
-        if keyword in UNENFORCED_KEYWORDS:
-            raise ValueError(f"invalid structured_outputs.json: the JSON-schema keyword "
-                             f"{keyword!r} (at {path}) is not supported")
-
-
-def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str]]:
-    """(path, keyword) of every keyword in every subschema of ``schema``."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            yield from _keywords(item, f"{path}/{i}")
-        return
-    if not isinstance(schema, dict):
-        return
-    for key, value in schema.items():
-        yield path, key
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _keywords(sub, f"{path}/{key}/{name}")
-        elif key not in ("enum", "const", "default", "examples", "required"):
-            yield from _keywords(value, f"{path}/{key}")
 
 
 def _reason(exc: Exception) -> str:
