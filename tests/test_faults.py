@@ -93,9 +93,10 @@ def test_a_refused_share_fails_the_fork_and_the_prefix_hit() -> None:
     assert kv.allocate("a", 70)
     kv.cache_computed("a", tokens, 70)
     kv.free("a")
+    assert kv.match_prefix("a2", tokens) == 64  # a's idle slot still maps them: nothing to map
     kv.backend.faults.arm("map", "EPERM", after=2)
     with pytest.raises(VmmError, match="EPERM"):
-        kv.match_prefix("b", tokens)  # maps the cached pages into a slot: refused midway
+        kv.match_prefix("b", tokens)  # maps the cached pages into another slot: refused midway
     kv.check()
     assert kv.num_tokens("b") == 0 and kv.match_prefix("b", tokens) == 64
     kv.backend.faults.arm("map", "ENOMEM", after=1)
@@ -167,7 +168,8 @@ def test_random_faults_never_break_the_accounting() -> None:
         kv.free(rid)
     kv.reset_prefix_cache()
     kv.check()
-    assert failures > 20 and kv.usage.bytes_in_use == 0 and kv.pool.num_in_use == 0
+    kept = sum(kv.mapped_pages(s) for s in kv.slots.idle) * len(kv.regions)  # kept for reuse
+    assert failures > 20 and kv.usage.bytes_in_use == 0 and kv.pool.num_in_use == kept <= 8
     assert kv.pool.num_created <= 8
 
 

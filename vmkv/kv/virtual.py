@@ -305,6 +305,8 @@ class VirtualKVCache(KVCacheManager):
         """Pages (all regions) that unmapping idle slots and surplus tails, and evicting pages
         only the prefix cache holds, would free."""
         total = sum(self.slots.mapped[s] for s in self.slots.idle if s != exclude)
+        if exclude in self.slots.idle:  # a newcomer's idle slot: the cached pages it gives up
+            total += self.slots.mapped[exclude] - self._first_cached(exclude)
         total += sum(n for slot, n in self._surplus() if slot != exclude)
         evictable = self.prefix.num_evictable() if self.prefix is not None else 0
         return total * len(self.regions) + evictable
@@ -331,14 +333,15 @@ class VirtualKVCache(KVCacheManager):
             return False
         regions = len(self.regions)
         need = (grow + len(cow)) * regions
+        if request_id not in self.slots.slot_of:
+            # an idle slot may still map pages the cache holds (its last request's prefix):
+            # they stay the cache's (unmapped here, not overwritten, evictable if need be);
+            # fresh pages replace them
+            self._unmap_tail(slot, self.slots.mapped[slot] - self._first_cached(slot))
         if need > self.pool.num_free:
             self._reclaim(need - self.pool.num_free, exclude=slot)
             if need > self.pool.num_free:
                 return False
-        if request_id not in self.slots.slot_of:
-            # an idle slot may still map pages the cache holds (its last request's prefix):
-            # they stay the cache's (unmapped here, not overwritten); fresh pages replace them
-            self._unmap_tail(slot, self.slots.mapped[slot] - self._first_cached(slot))
         mapped = self.slots.mapped[slot]
         if grow:
             extra = min(self.premap_pages, self.layout.slot_pages - self.slots.mapped[slot] - grow,
