@@ -64,4 +64,7 @@ class Executor(ABC):
         """Release the KV memory (and its mapper; the ranks too); safe to call again."""
         if not self._closed:
             self._closed = True
-            self.kv.close()
+            if self.worker is not None:
+                self.worker.close()
+            else:
+                self.kv.close()

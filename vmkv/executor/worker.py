@@ -27,7 +27,7 @@ from vmkv.executor.model_runner import ModelRunner
 from vmkv.executor.plan import StepPlan
 from vmkv.kv import create_kv_cache
 from vmkv.models import load_model, parse_dtype
-from vmkv.models.compile import try_compile
+from vmkv.models.compile import try_compile, uncompile_layers
 from vmkv.models.fused_layers import fuse_layers
 
 logger = logging.getLogger("vmkv")
@@ -97,5 +97,10 @@ class Worker:
             self.kv.free(rid)
 
     def close(self) -> None:
-        """Release the KV memory."""
+        """Release the KV memory, and the model's replacements of its own code (fused layers,
+        compiled layers: each holds the model, a reference cycle that would keep the weights
+        until the cyclic garbage collector ran, long after the engine was dropped)."""
         self.kv.close()
+        self.model.run_body = None
+        self.fused = None
+        uncompile_layers(self.model)

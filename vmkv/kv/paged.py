@@ -234,6 +234,13 @@ class PagedKVCache(KVCacheManager):
         self.changes.append(SetTable(request_id, start, tuple(table[start:])))
         self.changes.append(Tokens(request_id, self._num_tokens[request_id]))
 
+    def close(self) -> None:
+        """Release the cache tensor and the prefix cache (whose units refer back to this
+        manager: dropping it breaks that cycle, so the rest goes when its holders let go)."""
+        self.kv = torch.empty(0, dtype=self.spec.dtype, device=self.device)
+        self._saved.clear()
+        self.prefix = None
+
     def describe(self) -> str:
         return f"paged: {self.pool.num_blocks:,} blocks of {self.block_size} tokens"
 

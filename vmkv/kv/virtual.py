@@ -620,6 +620,7 @@ class VirtualKVCache(KVCacheManager):
         self.regions.close()
         self.pool.release_all_idle()
         self.backend.close()
+        self.prefix = None  # its units refer back to this manager: no cycle left
 
 
 class PageUnits:

@@ -16,6 +16,8 @@ writes K/V into the cache manager's memory and attends. Weights use vmkv names (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -105,8 +107,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
                                       device=rope_device if rope_device is not None else device)
         self.requires_grad_(False)
-        #: what :meth:`forward` runs: :meth:`body`, or a compiled version of it
-        self.run_body = self.body
+        #: what :meth:`forward` runs instead of :meth:`body` (fused layers), None for body
+        self.run_body: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +146,7 @@ class LlamaModel(nn.Module):
         ``meta``'s request order; the KV manager must already hold room for every token.
         """
         with attention_step(attn, meta):
-            return self.run_body(input_ids, positions)
+            return (self.run_body or self.body)(input_ids, positions)
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The forward over tensors only (``input_ids, positions [T]`` -> ``[T, hidden]``);
