@@ -82,3 +82,7 @@ class AttentionBackend(ABC):
         """
         self.write_kv(layer, k, v, meta)
         return self.attend(layer, q, meta, scale)
+
+    def close(self) -> None:
+        """Drop the views of the KV cache (the manager is closing: a view would keep a paged
+        cache's tensor alive); the backend is unusable afterwards."""

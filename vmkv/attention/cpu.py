@@ -55,6 +55,9 @@ class CpuAttentionBackend(AttentionBackend):
         amx = cpu_batches.use_amx_prefill(kv.spec.dtype, kv.spec.head_dim)
         self.max_kernel_query = (1 << 62) if amx else SDPA_MIN_QUERY - 1
 
+    def close(self) -> None:
+        self._flat = []
+
     def prepare(self, request_ids: list[str], context_lens: list[int], query_lens: list[int]
                 ) -> CpuStepMetadata:
         addr = self.kv.addressing(request_ids, context_lens)

@@ -146,6 +146,9 @@ class CudaAttentionBackend(AttentionBackend):
             rows_fit_int32=outer * inner <= INT32_MAX)
         self.name = f"{kv.kv_mode}-{self.kernel}"
 
+    def close(self) -> None:
+        self._views, self._flat = [], []
+
     @property
     def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
         """Whether a decode step can be captured (no host sync, no per-request host loop): the

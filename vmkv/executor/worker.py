@@ -97,10 +97,13 @@ class Worker:
             self.kv.free(rid)
 
     def close(self) -> None:
-        """Release the KV memory, and the model's replacements of its own code (fused layers,
-        compiled layers: each holds the model, a reference cycle that would keep the weights
-        until the cyclic garbage collector ran, long after the engine was dropped)."""
+        """Release the KV memory and the weights (the worker cannot run any more), and undo the
+        model's replacements of its own code (fused or compiled layers hold the model: a
+        reference cycle the cyclic garbage collector would break only much later)."""
+        self.attn.close()
         self.kv.close()
         self.model.run_body = None
-        self.fused = None
         uncompile_layers(self.model)
+        # the weights go now, whoever still holds this worker (a server's route closures that a
+        # web framework caches, a caller's variable): a closed engine takes no more requests
+        self.model._apply(lambda t: t.new_empty(0))
