@@ -239,7 +239,9 @@ class PagedKVCache(KVCacheManager):
         manager: dropping it breaks that cycle, so the rest goes when its holders let go)."""
         self.kv = torch.empty(0, dtype=self.spec.dtype, device=self.device)
         self._saved.clear()
-        self.prefix = None
+        if self.prefix is not None:
+            self.prefix.reset()
+            self.prefix = None
 
     def describe(self) -> str:
         return f"paged: {self.pool.num_blocks:,} blocks of {self.block_size} tokens"

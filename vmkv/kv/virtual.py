@@ -620,7 +620,10 @@ class VirtualKVCache(KVCacheManager):
         self.regions.close()
         self.pool.release_all_idle()
         self.backend.close()
-        self.prefix = None  # its units refer back to this manager: no cycle left
+        # the prefix cache's units and the regions' change recorder refer back to this
+        # manager: no cycle is left to keep it until the cyclic collector
+        self.prefix = None
+        self.regions.record = None
 
 
 class PageUnits:
