@@ -80,7 +80,6 @@ def default_model():
     return resolve_model(None, progress=False)
 
 
-
 _rss_after_collect = [0]  # the process's resident bytes after the last collection
 
 
@@ -92,9 +91,9 @@ def _resident_bytes() -> int:
 @pytest.fixture(autouse=True)
 def _collect_cycles_when_memory_grew():
     """Collect cyclic garbage after a test that left the process 256 MiB larger than after the
-    last collection: a closed engine's server (FastAPI routes, uvicorn, tracebacks) sits in
-    reference cycles that would otherwise keep its weights until the collector's rare full
-    passes, while the next tests build their engines (the suite outgrew 24 GiB that way)."""
+    last collection. Engines free their weights and KV on close or by reference counting; what
+    libraries keep in cycles (compiled graphs, servers' routes, tracebacks) would otherwise wait
+    for the collector's rare full passes while the next tests build their engines."""
     yield
     if _resident_bytes() - _rss_after_collect[0] > 256 << 20:
         import gc
