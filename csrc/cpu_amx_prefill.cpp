@@ -1,22 +1,28 @@
 // bfloat16 prefill attention on the CPU's matrix units, both KV modes (the AMX prefill twins):
-// flash attention whose two products per tile run on oneDNN's brgemm ukernel (AMX tiles).
+// flash attention whose two products per key chunk run on oneDNN's brgemm ukernel (AMX tiles).
 //
 // Entry b brings q_lens[b] query tokens (rows q_start[b] .. of q and out) after
 // ctx = seq_lens[b] - q_lens[b] cached ones; query i (position ctx + i) sees keys 0 .. ctx + i,
 // read in place through the step's addressing (csrc/cpu_rows.h: slot rows or a block table).
 //
-//   1. pack: each (entry, KV head, tile of kKeys keys) once, K^T and V in the ukernel's VNNI pairs
-//            (K^T[D/2][kKeys][2], V[kKeys/2][D][2]; zero past the entry's length)
+//   1. pack: each (entry, KV head, chunk of up to kChunk keys) once, K^T and V in the ukernel's
+//            VNNI pairs (K^T[D/2][width][2], V[width/2][D][2], width the chunk's keys rounded up
+//            to whole kKeys tiles; zero past the entry's length)
 //   2. attend: each (entry, KV head, block of kQueries queries): the block's query heads of the
-//            group x queries are the rows of Q [rows, D]; per key tile
-//              S = Q K^T (brgemm), scaled, causal mask, online softmax in float32, P in bf16,
-//              O = O * rescale + P V (brgemm, accumulating)
+//            group x queries are the rows of Q [rows, D]; per key chunk
+//              S = Q K^T (one brgemm call), causal mask, online softmax in float32, P in bf16,
+//              O = O * rescale + P V (one brgemm call, accumulating)
 //            then out = O / l, rounded to bf16.
+//
+// One call per product per chunk (not per 64-key tile): at D = 64 a tile's product is a few
+// hundred cycles of AMX work, so per-call overhead decided the speed. The softmax reads each
+// score twice (its max, then exp(scale * s - m) with the scale folded into one FMA) and never
+// writes the scaled scores back.
 //
 // P is rounded to bf16 for the second product, as torch's CPU flash attention does. The ukernel
 // is torch's export of oneDNN's brgemm (at::native::cpublas::brgemm); the caller passes its
 // address and brgemm_release's (vmkv/kernels/cpu_bf16.py), so this library links only libgomp.
-// Returns 0, 1 on bad arguments, 2 when the ukernel raised.
+// Returns 0, 1 on bad arguments (scale must be positive), 2 when the ukernel raised.
 
 #include <algorithm>
 #include <atomic>
@@ -56,7 +62,9 @@ struct Args {
   VmkvBrgemmRelease release;
 };
 
-// Where each entry's packed tiles start (in tiles), per KV head: tile_base[b] + t.
+// Where each entry's packed keys start, in kKeys tiles, per KV head: entry b's chunk c (keys
+// c * kChunk ..) holds kv_heads consecutive blocks of chunk_width(b, c) * D elements, one per
+// head, from tile tile_base[b] + c * kChunk / kKeys on.
 struct Packing {
   std::vector<int64_t> tile_base;
   int64_t tiles = 0;
@@ -72,24 +80,42 @@ Packing plan_packing(const Args& a) {
   return p;
 }
 
-// K^T and V of tile t of entry b, KV head h, in VNNI pairs; zero past the entry's length.
+// Keys packed for entry b's chunk starting at key c0: its keys rounded up to whole tiles.
+inline int64_t chunk_width(const Args& a, int64_t b, int64_t c0) {
+  const int64_t padded = (a.seq_lens[b] + kKeys - 1) / kKeys * kKeys;
+  return std::min(kChunk, padded - c0);
+}
+
+// Element offset of (entry b, chunk at key c0, KV head h)'s packed block (K^T or V alike).
+inline int64_t chunk_offset(const Args& a, const Packing& pk, int64_t b, int64_t c0, int64_t h) {
+  return ((pk.tile_base[b] + c0 / kKeys) * a.kv_heads * kKeys + h * chunk_width(a, b, c0)) *
+         a.dim;
+}
+
+// Tile t (keys t * kKeys ..) of entry b, KV head h, into its chunk's packed K^T and V;
+// zero past the entry's length.
 template <bool PAGED>
-void pack_tile(const Args& a, int64_t b, int64_t h, int64_t t, uint32_t* kt, bf16* vp) {
+void pack_tile(const Args& a, const Packing& pk, int64_t b, int64_t h, int64_t t,
+               uint32_t* kt_all, bf16* vp_all) {
   const int64_t pairs = a.dim / 2, len = a.seq_lens[b];
-  for (int64_t j = 0; j < kKeys; ++j) {
-    const int64_t tok = t * kKeys + j;
+  const int64_t c0 = t * kKeys / kChunk * kChunk, j0 = t * kKeys - c0;
+  const int64_t width = chunk_width(a, b, c0), base = chunk_offset(a, pk, b, c0, h);
+  uint32_t* kt = kt_all + base / 2;  // [D/2][width] pairs
+  bf16* vp = vp_all + base;          // [width/2][D][2]
+  for (int64_t j = j0; j < j0 + kKeys; ++j) {
+    const int64_t tok = c0 + j;
     if (tok >= len) {
-      for (int64_t p = 0; p < pairs; ++p) kt[p * kKeys + j] = 0;
+      for (int64_t p = 0; p < pairs; ++p) kt[p * width + j] = 0;
       continue;
     }
     const int64_t row = row_of<PAGED>(b, tok, a.starts, a.table, a.table_stride, a.block_size);
     const auto* kr = reinterpret_cast<const uint32_t*>(a.k + row * a.stride_row +
                                                        h * a.stride_head);
-    for (int64_t p = 0; p < pairs; ++p) kt[p * kKeys + j] = kr[p];  // K^T: pair p, key j
+    for (int64_t p = 0; p < pairs; ++p) kt[p * width + j] = kr[p];  // K^T: pair p, key j
   }
-  for (int64_t i = 0; i < kKeys / 2; ++i) {  // V: keys 2i, 2i+1 interleaved per dim
+  for (int64_t i = j0 / 2; i < (j0 + kKeys) / 2; ++i) {  // V: keys 2i, 2i+1 interleaved
     for (int64_t e = 0; e < 2; ++e) {
-      const int64_t tok = t * kKeys + 2 * i + e;
+      const int64_t tok = c0 + 2 * i + e;
       bf16* dst = vp + i * a.dim * 2 + e;
       if (tok >= len) {
         for (int64_t d = 0; d < a.dim; ++d) dst[2 * d] = 0;
@@ -103,41 +129,57 @@ void pack_tile(const Args& a, int64_t b, int64_t h, int64_t t, uint32_t* kt, bf1
   }
 }
 
-// One online-softmax step of a row over a chunk's scores s[0 .. width) of which the first
-// `visible` count (>= 1): p (bf16) becomes the probabilities (0 past visible); m, l move on;
-// returns the factor the row's accumulator must be scaled by.
-inline float softmax_row(float* s, int64_t width, int64_t visible, float scale, float& m,
-                         float& l, bf16* p) {
-  float tile_max = -INFINITY, sum = 0.0f;
-  int64_t j = 0, counted = 0;  // keys [0, counted) are in tile_max
-#if defined(VMKV_VECTOR)
-  vfloat vm = vset1(-INFINITY);
-  for (; j + kLanes <= width; j += kLanes) {  // scale, and the max of whole visible vectors
-    const vfloat x = vmul(vload(s + j), vset1(scale));
-    vstore(s + j, x);
-    if (j + kLanes <= visible) vm = vmax(vm, x);
-  }
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, vm);
-  for (int64_t i = 0; i < kLanes; ++i) tile_max = std::max(tile_max, lanes[i]);
-  counted = visible / kLanes * kLanes;
+#if defined(__AVX512F__)
+// 2^t for 16 lanes: t = i + f with i = round(t), |f| <= 1/2, 2^f from a degree-5 polynomial
+// fitted in relative error (2.4e-7), times 2^i by scalef (0 for t below about -150).
+inline __m512 exp2_v(__m512 t) {
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(1.3276467e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755419e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(p, i);
+}
 #endif
-  for (; j < width; ++j) s[j] *= scale;
-  for (j = counted; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
-  const float m_new = std::max(m, tile_max);
-  const float rescale = std::exp(m - m_new);  // 0 on the row's first chunk
-#if defined(VMKV_VECTOR)
-  vfloat sums = vzero();
-  for (int64_t j = 0; j < width; j += kLanes) {  // width: whole tiles, whole vectors
-    const int64_t live = std::clamp<int64_t>(visible - j, 0, kLanes);
-    const vfloat e = vfirst(exp_nonpositive_v(vsub(vload(s + j), vset1(m_new))), live);
-    vstore(p + j, e);
-    sums = vadd(sums, e);
+
+// One online-softmax step of a row over a chunk's raw scores s[0 .. width) (width whole
+// tiles), of which the first `visible` (>= 1) count: p (bf16) becomes exp(scale * s - m)
+// (0 past visible); m, l move on; returns the factor the row's accumulator must be scaled by.
+inline float softmax_row(const float* s, int64_t width, int64_t visible, float scale, float& m,
+                         float& l, bf16* p) {
+  float raw_max = -INFINITY, sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+  if (j < visible) {
+    vm = _mm512_mask_max_ps(vm, static_cast<__mmask16>((1u << (visible - j)) - 1u), vm,
+                            _mm512_loadu_ps(s + j));
   }
-  sum = vsum(sums);
+  raw_max = _mm512_reduce_max_ps(vm);
+#else
+  for (int64_t j = 0; j < visible; ++j) raw_max = std::max(raw_max, s[j]);
+#endif
+  const float m_new = std::max(m, raw_max * scale);  // scale > 0
+  const float rescale = std::exp(m - m_new);         // 0 on the row's first chunk
+#if defined(__AVX512F__)
+  const __m512 mul = _mm512_set1_ps(scale), sub = _mm512_set1_ps(m_new);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t live = std::clamp<int64_t>(visible - j, 0, 16);
+    const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(
+        keep, exp_nonpositive_v(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), mul), sub)));
+    vstore(p + j, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  sum = _mm512_reduce_add_ps(sums);
 #else
   for (int64_t j = 0; j < width; ++j) {
-    const float e = j < visible ? exp_nonpositive(s[j] - m_new) : 0.0f;
+    const float e = j < visible ? exp_nonpositive(s[j] * scale - m_new) : 0.0f;
     p[j] = float_to_bf16(e);
     sum += e;
   }
@@ -170,9 +212,8 @@ struct Scratch {
 };
 
 // Rows of the task (entry b, KV head h, queries q0 .. q0 + nq): row r is query q0 + r / group
-// of head h * group + r % group. Keys go in chunks of up to kChunk: first every tile's
-// S = Q K^T, then the rows' softmax, then every tile's O += P V, so consecutive ukernel calls
-// share one shape (switching shapes reloads the AMX tile configuration).
+// of head h * group + r % group. Keys go in chunks of up to kChunk: S = Q K^T over the chunk in
+// one ukernel call, then the rows' softmax, then O += P V in one call.
 void attend_block(const Args& a, const Packing& pk, const uint32_t* kt, const bf16* vp,
                   int64_t b, int64_t h, int64_t q0, Scratch& w) {
   const int64_t group = a.heads / a.kv_heads, dim = a.dim;
@@ -187,16 +228,12 @@ void attend_block(const Args& a, const Packing& pk, const uint32_t* kt, const bf
   }
   std::fill(w.o.begin(), w.o.begin() + rows * dim, 0.0f);
   const int64_t kv_end = ctx + q0 + nq;  // the block's last query sees keys < kv_end
-  const int64_t tile_elems = kKeys * dim;
-  const bf16* k_tiles = reinterpret_cast<const bf16*>(kt);
+  const bf16* k_packed = reinterpret_cast<const bf16*>(kt);
   for (int64_t c0 = 0; c0 < kv_end; c0 += kChunk) {
-    const int64_t tiles = (std::min(kv_end - c0, kChunk) + kKeys - 1) / kKeys;
-    const int64_t width = tiles * kKeys, first = (pk.tile_base[b] + c0 / kKeys) * a.kv_heads;
-    for (int64_t t = 0; t < tiles; ++t) {
-      a.brgemm(rows, kKeys, dim, dim, kKeys, kChunk, false, w.q.data(),
-               k_tiles + (first + t * a.kv_heads + h) * tile_elems, w.s.data() + t * kKeys,
-               true);
-    }
+    const int64_t width = (std::min(kv_end - c0, kChunk) + kKeys - 1) / kKeys * kKeys;
+    const int64_t packed = chunk_width(a, b, c0), base = chunk_offset(a, pk, b, c0, h);
+    a.brgemm(rows, width, dim, dim, packed, kChunk, false, w.q.data(), k_packed + base,
+             w.s.data(), true);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(width, ctx + q0 + r / group + 1 - c0);  // >= 1
       const float rescale = softmax_row(w.s.data() + r * kChunk, width, visible, a.scale,
@@ -207,10 +244,7 @@ void attend_block(const Args& a, const Packing& pk, const uint32_t* kt, const bf
         for (int64_t d = 0; d < dim; ++d) orow[d] *= rescale;
       }
     }
-    for (int64_t t = 0; t < tiles; ++t) {
-      a.brgemm(rows, dim, kKeys, kChunk, dim, dim, true, w.p.data() + t * kKeys,
-               vp + (first + t * a.kv_heads + h) * tile_elems, w.o.data(), true);
-    }
+    a.brgemm(rows, dim, width, kChunk, dim, dim, true, w.p.data(), vp + base, w.o.data(), true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     bf16* dst = a.out + (a.q_start[b] + q0 + r / group) * a.out_stride_t +
@@ -246,8 +280,7 @@ int run(const Args& a) {
       const int64_t tile = i / kv, h = i % kv;
       const int64_t b = std::upper_bound(pk.tile_base.begin(), pk.tile_base.end(), tile) -
                         pk.tile_base.begin() - 1;
-      pack_tile<PAGED>(a, b, h, tile - pk.tile_base[b], kt_data + i * tile_elems / 2,
-                       vp_data + i * tile_elems);
+      pack_tile<PAGED>(a, pk, b, h, tile - pk.tile_base[b], kt_data, vp_data);
     }
     static thread_local Scratch scratch;
     scratch.fit(kQueries * (a.heads / kv), a.dim);
@@ -285,7 +318,7 @@ int vmkv_amx_prefill_attention(const bf16* q, int64_t q_stride_t, int64_t q_stri
                                int64_t kv_heads, int64_t dim, float scale, bf16* out,
                                int64_t out_stride_t, int64_t out_stride_h, VmkvBrgemm brgemm,
                                VmkvBrgemmRelease release) {
-  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || dim % 32 != 0 || batch < 0 ||
+  if (!(scale > 0.0f) || kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || dim % 32 != 0 || batch < 0 ||
       brgemm == nullptr || release == nullptr || (table == nullptr) == (starts == nullptr) ||
       (table != nullptr && block_size <= 0)) {
     return 1;

@@ -181,6 +181,7 @@ struct NewRows {
 // CPU flash attention does). Taken for bf16 caches whose head_dim is a multiple of 32 and GQA
 // groups of up to kDpMaxGroup query heads; other shapes use the widening loops above.
 constexpr int64_t kDpTile = 16;      // tokens per score vector
+constexpr int64_t kDpBlock = 64;     // tokens per online-softmax step (whole score vectors)
 constexpr int64_t kDpMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kDpMaxVecs = 8;    // head_dim / 32 (head_dim <= 256)
 
@@ -201,55 +202,77 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
   __m512i qv[kDpMaxGroup * 3][kDpMaxVecs];  // [row][chunk] bf16 pairs
   __m512 acc[kDpMaxGroup * 3][2 * kDpMaxVecs];
   float m[kDpMaxGroup * 3], l[kDpMaxGroup * 3];
-  alignas(64) uint16_t pb[kDpMaxGroup * 3][kDpTile + 1];  // P of the tile, bf16, + a zero
+  alignas(64) uint16_t pb[kDpMaxGroup * 3][kDpBlock + 1];  // P of the block, bf16, + a zero
   __m512 part[kDpTile];
-  int64_t rows[kDpTile];
+  __m512 scores[kDpBlock / kDpTile];
+  int64_t rows[kDpBlock], next_rows[kDpBlock];
   for (int64_t r = 0; r < nrows; ++r) {
     const bf16* src = q + b * q_stride_b + (kvh0 * group + r) * q_stride_h;
     for (int64_t c = 0; c < vecs; ++c) qv[r][c] = load_row_part(src + 32 * c);
     for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_setzero_ps();
     m[r] = -INFINITY;
     l[r] = 0.0f;
-    pb[r][kDpTile] = 0;
+    pb[r][kDpBlock] = 0;
   }
-  for (int64_t t0 = 0; t0 < len; t0 += kDpTile) {
-    const int64_t n = std::min(kDpTile, len - t0);
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+  for (int64_t t0 = 0; t0 < len; t0 += kDpBlock) {
+    const int64_t n = std::min(kDpBlock, len - t0), vecs_n = (n + kDpTile - 1) / kDpTile;
     for (int64_t j = 0; j < n; ++j) {
       rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
     }
-    for (int64_t j = t0 + kDpTile; j < std::min(len, t0 + 2 * kDpTile); ++j) {
-      const int64_t row = row_of<PAGED>(b, j, starts, table, table_stride, block_size);
-      prefetch_row(k + row * stride_row + kvh0 * stride_head, span * head_bytes);
-      prefetch_row(v + row * stride_row + kvh0 * stride_head, span * head_bytes);
+    // the next block's rows, fetched a few lines per token pair of the value loop below (one
+    // burst would wait for line-fill buffers instead of computing)
+    const int64_t ahead = std::max<int64_t>(0, std::min(kDpBlock, len - t0 - kDpBlock));
+    for (int64_t j = 0; j < ahead; ++j) {
+      next_rows[j] = row_of<PAGED>(b, t0 + kDpBlock + j, starts, table, table_stride,
+                                   block_size);
     }
     for (int64_t h = 0; h < span; ++h) {
       const int64_t off = (kvh0 + h) * stride_head;
       for (int64_t g = 0; g < group; ++g) {  // scores, online softmax, P in bf16
         const int64_t r = h * group + g;
-        for (int64_t j = 0; j < n; ++j) {
-          const bf16* kr = k + rows[j] * stride_row + off;
-          __m512 s = _mm512_setzero_ps();
-          for (int64_t c = 0; c < vecs; ++c) {
-            s = _mm512_dpbf16_ps(s, (__m512bh)qv[r][c], (__m512bh)load_row_part(kr + 32 * c));
+        __m512 block_max = _mm512_set1_ps(-INFINITY);
+        for (int64_t u = 0; u < vecs_n; ++u) {  // 16 tokens' scores as one vector
+          const int64_t j0 = u * kDpTile, nu = std::min(kDpTile, n - j0);
+          for (int64_t j = 0; j < nu; ++j) {
+            const bf16* kr = k + rows[j0 + j] * stride_row + off;
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t c = 0; c < vecs; ++c) {
+              s = _mm512_dpbf16_ps(s, (__m512bh)qv[r][c], (__m512bh)load_row_part(kr + 32 * c));
+            }
+            part[j] = s;
           }
-          part[j] = s;
+          for (int64_t j = nu; j < kDpTile; ++j) part[j] = _mm512_setzero_ps();
+          scores[u] = _mm512_mul_ps(vsum16(part), _mm512_set1_ps(scale));
+          const __mmask16 live = static_cast<__mmask16>((1u << nu) - 1u);
+          block_max = _mm512_mask_max_ps(block_max, live, block_max, scores[u]);
         }
-        for (int64_t j = n; j < kDpTile; ++j) part[j] = _mm512_setzero_ps();
-        const __m512 scores = _mm512_mul_ps(vsum16(part), _mm512_set1_ps(scale));
-        const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(live, scores));
-        const float rescale = std::exp(m[r] - m_new);  // 0 on the first tile
-        const __m512 p =
-            _mm512_maskz_mov_ps(live, exp_nonpositive_v(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-        l[r] = l[r] * rescale + _mm512_reduce_add_ps(p);
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(block_max));
+        const float rescale = std::exp(m[r] - m_new);  // 0 on the first block
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          const int64_t nu = std::min(kDpTile, n - u * kDpTile);
+          const __m512 p = _mm512_maskz_mov_ps(
+              static_cast<__mmask16>((1u << nu) - 1u),
+              exp_nonpositive_v(_mm512_sub_ps(scores[u], _mm512_set1_ps(m_new))));
+          sums = _mm512_add_ps(sums, p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + u * kDpTile),
+                              (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        l[r] = l[r] * rescale + _mm512_reduce_add_ps(sums);
         m[r] = m_new;
         if (rescale != 1.0f) {
           const __m512 f = _mm512_set1_ps(rescale);
           for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], f);
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
       for (int64_t j = 0; j < n; j += 2) {  // values: token pairs as bf16 pairs
+        for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
+          const int64_t at = next_rows[i] * stride_row + (kvh0 + h) * stride_head;
+          for (int64_t o = 0; o < head_bytes; o += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k + at) + o, 0, 1);
+            __builtin_prefetch(reinterpret_cast<const char*>(v + at) + o, 0, 1);
+          }
+        }
         const bf16* v0 = v + rows[j] * stride_row + off;
         const bf16* v1 = j + 1 < n ? v + rows[j + 1] * stride_row + off : nullptr;
         __m512i lo[kDpMaxVecs], hi[kDpMaxVecs];
@@ -261,8 +284,8 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
         }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
-          const uint32_t pair = static_cast<uint32_t>(pb[r][j]) |
-                                static_cast<uint32_t>(j + 1 < n ? pb[r][j + 1] : 0) << 16;
+          uint32_t pair;  // P of tokens j, j + 1 (0 past n: stored zero)
+          std::memcpy(&pair, &pb[r][j], sizeof(pair));
           const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
           for (int64_t c = 0; c < vecs; ++c) {
             acc[r][2 * c] = _mm512_dpbf16_ps(acc[r][2 * c], (__m512bh)lo[c], pp);
