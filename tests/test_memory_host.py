@@ -71,15 +71,19 @@ def test_create_and_release_commit_and_return_memory() -> None:
 
 
 def test_a_precreated_pool_commits_every_page_in_one_call() -> None:
-    """Engines pre-create their pool: one fallocate for the range (all or none), and a page
-    count the partitions round down still pre-creates every page there is."""
+    """Engines pre-create their pool: one fallocate for the range (all or none), then one
+    populating mapping makes it resident (zeroed), and a page count the partitions round down
+    still pre-creates every page there is."""
     backend = HostMemoryBackend(PAGE, 20)
     pool = PagePool(backend, 20, precreate=20, partitions=3)  # 18 pages: 3 x 6
     assert pool.num_pages == 18 and pool.num_created == pool.num_idle == 18
     assert backend.stats.ops["create"].calls == 1 and backend.file_bytes() == 18 * PAGE
+    touch = backend.stats.ops["touch"]
+    assert (touch.calls, touch.pages) == (1, 18)
     region = VirtualRegion(pool, 6 * PAGE, partition=1)
     assert region.map_new(0, 2) == [6, 7]  # idle pages: nothing more to create
     assert backend.stats.ops["create"].calls == 1
+    assert not backend.as_tensor(region.base, 2 * PAGE).any()  # touched pages read zero
     region.close()
     pool.check()
     backend.close()

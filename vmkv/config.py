@@ -181,10 +181,11 @@ class EngineConfig:
         "the CPU (a third of the map calls), 0 on CUDA (its background mapper maps ahead)",
         minimum=0)
     precreate_pages: bool = option(
-        False, "virtual mode on the CPU: create every physical page at start-up (one fallocate "
-        "of the whole budget, as paged mode allocates its blocks) instead of on demand; cold "
-        "one-shot runs ~2 % faster, memory no longer follows live tokens (CUDA engines always "
-        "pre-create)")
+        False, "virtual mode on the CPU: create and touch every physical page at start-up "
+        "(one fallocate and one populating mmap of the whole budget, as paged mode allocates "
+        "and zeroes its blocks) instead of on demand; a run then pays no first-touch faults "
+        "(prompt-heavy: 8 % faster on a 2-core VM), but memory no longer follows live tokens "
+        "(CUDA engines always pre-create)")
     max_idle_memory: int | None = option(
         None, "KV memory kept for reuse when no running request needs it (idle slots' pages, "
         "pages only the prefix cache holds and idle pool pages together); beyond it, memory is "

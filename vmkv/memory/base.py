@@ -96,6 +96,11 @@ class MemoryBackend(ABC):
                 rolled_back(lambda page=page: self.release_page(page))
             raise
 
+    def touch_pages(self, first: int, num: int) -> None:
+        """Make the created pages ``first .. first+num-1`` resident now, so that the first
+        write to each costs no page fault that must back it with memory. The default does
+        nothing: device memory is resident once created (``cuMemCreate``)."""
+
     @abstractmethod
     def release_page(self, page_id: int) -> None:
         """Return ``page_id``'s memory to the OS/driver; it must be mapped nowhere."""

@@ -29,6 +29,7 @@ from vmkv.memory.faults import os_failure
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MAP_POPULATE = 0x8000
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 OS_PAGE = _mmap.PAGESIZE
 
@@ -117,6 +118,19 @@ class HostMemoryBackend(MemoryBackend):
                 error = _os_error(call)  # all or none: drop whatever part did land
                 _libc.fallocate(self._fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, n)
                 raise error
+
+    def touch_pages(self, first: int, num: int) -> None:
+        """Fault the pages in through one temporary ``MAP_POPULATE`` mapping: the kernel zeroes
+        and backs each (in a VM, the host backs the guest's page too) in one call, instead of
+        in a fault on the first write to each 4 KiB page while a step runs."""
+        offset, n = first * self.page_size, num * self.page_size
+        with self.stats.timed("touch", num):
+            va = _libc.mmap(None, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                            self._fd, offset)
+            if va == _MAP_FAILED or va is None:
+                raise _os_error(f"mmap(touch pages {first}..{first + num - 1})")
+            if _libc.munmap(va, n) != 0:
+                raise _os_error("munmap(touched pages)")
 
     def release_page(self, page_id: int) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE

@@ -109,8 +109,9 @@ class PagePool:
         self._no_room: list[int | None] = [None] * partitions
         self.num_in_use = 0
         self.peak_in_use = 0
-        if precreate:  # one backend call for the range (host: one fallocate)
+        if precreate:  # one backend call for the range (host: one fallocate), then resident
             self._create_run(0, precreate)
+            self.backend.touch_pages(0, precreate)
 
     # -- queries ------------------------------------------------------------------------------
     @property
