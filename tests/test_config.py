@@ -75,8 +75,11 @@ def test_cache_config_is_a_view_of_the_engine_config() -> None:
                           kv_layout="per-layer", max_idle_memory=0, device="cuda")
     assert config.cache == CacheConfig(kv_mode="paged", kv_cache_memory=1 << 20, block_size=32,
                                        kv_layout="per-layer", max_idle_memory=0, precreate=True)
-    # the same defaults, but engines on the CPU premap 2 pages (and create none up front)
-    assert EngineConfig().cache == CacheConfig(premap_pages=2)
+    # the same defaults, but engines on the CPU premap 2 pages (and pre-create unless told not)
+    assert EngineConfig().cache == CacheConfig(premap_pages=2, precreate=True)
+    assert not EngineConfig(precreate_pages=False).cache.precreate
+    assert not EngineConfig(max_idle_memory=0).cache.precreate  # elastic memory asked for
+    assert EngineConfig(max_idle_memory=0, precreate_pages=True).cache.precreate
     assert EngineConfig(device="cuda").cache.premap_pages == 0
     assert EngineConfig(premap_pages=0).cache.premap_pages == 0
     for f in fields(CacheConfig):

@@ -205,10 +205,10 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
 
 
 def test_a_cpu_engine_creates_pages_in_chunks_and_maps_ahead() -> None:
-    """A virtual-mode CPU engine creates pool pages as it needs them, 16 at a time (one
-    fallocate each), or all at start-up and resident if asked, and maps 2 pages ahead per
-    growth; nothing stays held after."""
-    llm = make_llm("virtual", kv_cache_memory=64 << 20)
+    """A virtual-mode CPU engine creates every pool page at start-up and makes it resident
+    (the default), or with --no-precreate-pages creates them as it needs them, 16 at a time
+    (one fallocate each); it maps 2 pages ahead per growth; nothing stays held after."""
+    llm = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=False)
     kv = llm.engine.kv
     assert kv.pool.num_created == 0 and kv.premap_pages == 2
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
@@ -216,9 +216,9 @@ def test_a_cpu_engine_creates_pages_in_chunks_and_maps_ahead() -> None:
     assert 0 < create.calls < create.pages <= 16 * create.calls
     assert kv.pool.num_created == create.pages
     assert_nothing_held(llm.engine)
-    # --precreate-pages: the whole budget in one fallocate at start-up, none later, and every
-    # page made resident by one populating mapping
-    precreated = make_llm("virtual", kv_cache_memory=64 << 20, precreate_pages=True)
+    # the default: the whole budget in one fallocate at start-up, none later, and every page
+    # made resident by one populating mapping
+    precreated = make_llm("virtual", kv_cache_memory=64 << 20)
     kv = precreated.engine.kv
     assert kv.pool.num_created == kv.pool.num_pages
     assert kv.backend.stats.ops["create"].calls == 1

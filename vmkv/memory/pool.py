@@ -45,7 +45,8 @@ class PagePool:
     Args:
         backend: the memory backend that creates, maps and releases the pages.
         num_pages: the cap on pages in use at once (the physical KV budget).
-        precreate: pages created at start-up (CUDA: pre-created pool, so the hot path only maps).
+        precreate: pages created at start-up and made resident (the engines default: the hot
+            path only maps, and no first write faults to back a fresh page).
         max_idle_pages: idle (created, unreferenced) pages kept for reuse; beyond this low-water
             mark :meth:`trim` releases the highest ones, so memory held tracks live data.
             ``None`` keeps every created page.

@@ -1,6 +1,6 @@
 """Part 3, the virtual tax on this machine: what virtual mode pays that paged mode does not
 (map and unmap calls, page creation, first touch of fresh pages: page faults and the kernel's
-zero-fill), per page size and layout, with and without pre-mapping and a pre-created pool,
+zero-fill), per page size and layout, with and without pre-mapping and a pre-created pool (pages on demand),
 each as a share of the step; beside it one decode and one prefill step split into parts
 (``vmkv bench profile``) in both modes.
 
