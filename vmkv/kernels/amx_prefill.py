@@ -2,8 +2,9 @@
 
 Flash attention of prefill chunks whose two products per key tile (``S = Q K^T``, ``O += P V``)
 run on oneDNN's brgemm ukernel, the one torch exports (:func:`vmkv.kernels.cpu_bf16.ukernel`);
-K^T and V are packed once per (request, KV head, tile of 64 keys) from the cache rows, read in
-place: slot rows (virtual mode) or a block table (paged mode), the twins' one difference.
+K^T and V are packed once per (request, KV head, chunk of up to 512 keys) from the cache rows,
+read in place: slot rows (virtual mode) or a block table (paged mode), the twins' one
+difference; each product is one ukernel call per chunk.
 Same arguments and results as :func:`vmkv.kernels.cpu_attention.prefill` for bfloat16.
 :func:`available` is True where the bf16 kernels run (:mod:`vmkv.kernels.cpu_bf16`) and this
 library builds.
