@@ -16,8 +16,7 @@
 //
 // One call per product per chunk (not per 64-key tile): at D = 64 a tile's product is a few
 // hundred cycles of AMX work, so per-call overhead decided the speed. The softmax reads each
-// score twice (its max, then exp(scale * s - m) with the scale folded into one FMA) and never
-// writes the scaled scores back.
+// score twice (its max, then exp(scale * s - m)) and never writes the scaled scores back.
 //
 // P is rounded to bf16 for the second product, as torch's CPU flash attention does. The ukernel
 // is torch's export of oneDNN's brgemm (at::native::cpublas::brgemm); the caller passes its
@@ -128,22 +127,6 @@ void pack_tile(const Args& a, const Packing& pk, int64_t b, int64_t h, int64_t t
     }
   }
 }
-
-#if defined(__AVX512F__)
-// 2^t for 16 lanes: t = i + f with i = round(t), |f| <= 1/2, 2^f from a degree-5 polynomial
-// fitted in relative error (2.4e-7), times 2^i by scalef (0 for t below about -150).
-inline __m512 exp2_v(__m512 t) {
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(1.3276467e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755419e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
-  return _mm512_scalef_ps(p, i);
-}
-#endif
 
 // One online-softmax step of a row over a chunk's raw scores s[0 .. width) (width whole
 // tiles), of which the first `visible` (>= 1) count: p (bf16) becomes exp(scale * s - m)
