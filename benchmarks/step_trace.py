@@ -1,10 +1,12 @@
 """Where an offline run's time goes, step by step: prefill steps vs decode steps by batch size.
 
-    python benchmarks/step_trace.py WORKLOAD.jsonl [--kv-mode virtual] [--json OUT.json]
+    python benchmarks/step_trace.py WORKLOAD.jsonl [ENGINE FLAGS] [--json OUT.json]
 
 Runs a workload file (``vmkv.bench.workloads`` format, e.g. the one ``benchmarks/peers/
 vllm_cpu.sh`` writes) through one engine as ``vmkv bench throughput --workload jsonl`` does
-(process tuned first, the first 8 requests as a warm-up, greedy, exact output lengths) and
+(process tuned first, the first 8 requests as a warm-up, greedy, exact output lengths; any
+engine flag of ``vmkv bench throughput``, e.g. ``--kv-mode paged --dtype bfloat16
+--kv-cache-memory 4G --no-precreate-pages``) and
 records every step: sequences scheduled, tokens, milliseconds. Prints the time in steps that
 carry prefill tokens and in pure decode steps, the latter by batch size in buckets of 8, so a
 fixed per-step cost (weights streamed once per step) and a per-token cost can be read apart.
@@ -22,7 +24,7 @@ from vmkv.process_tuning import tune_process
 tune_process()  # before torch loads (OpenMP reads its settings once)
 
 from vmkv.bench.workloads import BenchRequest, load_jsonl  # noqa: E402
-from vmkv.config import EngineConfig  # noqa: E402
+from vmkv.config_args import add_engine_args, add_model_arg, engine_config  # noqa: E402
 from vmkv.engine.llm_engine import LLMEngine  # noqa: E402
 from vmkv.sampling_params import SamplingParams  # noqa: E402
 
@@ -47,10 +49,12 @@ def run(engine: LLMEngine, rows: list[BenchRequest], tag: str) -> tuple[float, l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload")
-    ap.add_argument("--kv-mode", default="virtual", choices=("virtual", "paged"))
     ap.add_argument("--json", default=None)
+    add_model_arg(ap)
+    add_engine_args(ap)
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(kv_mode=args.kv_mode))
+    config = engine_config(args)
+    engine = LLMEngine(config)
     rows = load_jsonl(args.workload, lambda text: engine.tokenizer(text).input_ids)  # as bench
     run(engine, rows[:8], "warmup-")
     seconds, steps = run(engine, rows, "r")
@@ -61,7 +65,8 @@ def main() -> None:
     for seqs, _, ms in decode:
         buckets[(seqs + 7) // 8 * 8].append(ms)
     summary = {
-        "kv_mode": args.kv_mode, "compiled": engine.executor.worker.compiled,
+        "kv_mode": config.kv_mode, "dtype": str(engine.executor.dtype),
+        "precreate_pages": config.cache.precreate, "compiled": engine.executor.worker.compiled,
         "fused_layers": engine.executor.worker.fused is not None, "seconds": seconds,
         "output_tokens_per_s": out_tokens / seconds, "steps": len(steps),
         "prefill_steps": len(prefill), "prefill_s": sum(s[2] for s in prefill) / 1e3,
