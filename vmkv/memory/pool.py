@@ -45,7 +45,7 @@ class PagePool:
     Args:
         backend: the memory backend that creates, maps and releases the pages.
         num_pages: the cap on pages in use at once (the physical KV budget).
-        precreate: pages created at start-up and made resident (the engines default: the hot
+        precreate: pages created at start-up and made resident (the engines' default: the hot
             path only maps, and no first write faults to back a fresh page).
         max_idle_pages: idle (created, unreferenced) pages kept for reuse; beyond this low-water
             mark :meth:`trim` releases the highest ones, so memory held tracks live data.
