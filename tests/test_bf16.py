@@ -148,36 +148,40 @@ def default_model() -> Path:
 
 def test_teacher_forced_top1_tracks_transformers_bf16(default_model: Path) -> None:
     """2,000+ positions of English text through the default model in bf16, ours against
-    transformers' (sdpa): every top-1 within transformers' own bf16 resolution, and the exact
-    top-1 agreement no worse than transformers' eager attention against its sdpa, less a
-    point (both are ~97 % on this text)."""
+    transformers' (sdpa): 99 % of our top-1 tokens within transformers' own bf16 resolution
+    of its best, and ours no less faithful to the float32 model than transformers' bf16 is,
+    less a point. (Exact top-1 agreement between two bf16 implementations depends on the
+    CPU's GEMM: ours against transformers' was 96.7 % on an AMX Xeon and 96.0 % on an
+    AVX512-BF16 EPYC, where transformers' own eager and sdpa agree on 97.25 %; against the
+    float32 model ours was 97.7 % there, transformers' bf16 96.5 %.)"""
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model)
     text = (Path(__file__).parents[1] / "docs" / "ARCHITECTURE.md").read_text()
     ids = tokenizer(text)["input_ids"]
     assert len(ids) >= 2000
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model, dtype=BF16).eval()
-    eager = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model, dtype=BF16, attn_implementation="eager").eval()
+    exact = transformers.AutoModelForCausalLM.from_pretrained(default_model,
+                                                              dtype=torch.float32).eval()
     model, cfg = load_model(default_model, BF16)
     assert fuse_layers(model) is not None
-    agree = same_as_eager = close = total = 0
+    ours_faithful = theirs_faithful = close = total = 0
     for start in range(0, 2000, 500):
         chunk = ids[start : start + 500]
         with torch.inference_mode():
             want = hf(torch.tensor([chunk])).logits[0].float()
-            other = eager(torch.tensor([chunk])).logits[0].float()
+            truth = exact(torch.tensor([chunk])).logits[0].argmax(-1)
         kv = make_kv(cfg, "virtual", max_model_len=512, dtype=BF16)
         try:
             got = prefill_logits(model, kv, chunk)
         finally:
             kv.close()
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        same_as_eager += int((other.argmax(-1) == want.argmax(-1)).sum())
+        ours_faithful += int((got.argmax(-1) == truth).sum())
+        theirs_faithful += int((want.argmax(-1) == truth).sum())
         close += int(within_one_step(got, want).sum())
         total += len(chunk)
     assert total >= 2000
     assert close / total >= 0.99, (close, total)
-    assert agree / total >= same_as_eager / total - 0.01, (agree, same_as_eager, total)
+    assert ours_faithful / total >= theirs_faithful / total - 0.01, (ours_faithful,
+                                                                    theirs_faithful, total)
 
 
 def test_virtual_and_paged_give_the_same_bf16_tokens(default_model: Path) -> None:
