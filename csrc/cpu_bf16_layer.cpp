@@ -1,4 +1,5 @@
-// bfloat16 linears and decoder layers on the CPU's matrix units (AMX or AVX512-BF16):
+// Linears and decoder layers on oneDNN's brgemm ukernel, in bfloat16 (the CPU's matrix units:
+// AMX or AVX512-BF16) and in float32 (AVX-512 FMA), one body templated on the element type T:
 //
 //   vmkv_bf16_linear:    out = a W^T (+ b), float32 or bfloat16 out (the LM head, any packed linear)
 //   vmkv_bf16_attn_in:   h = rms_norm(x) * w1;  qkv = h Wqkv^T (+ b);  RoPE on q and k in place
@@ -19,7 +20,9 @@
 // bf16 transformers model as closely as float reassociation allows: each linear's result
 // (bias included) rounded once to bf16; RMSNorm statistics in float32, x * rsqrt(var + eps)
 // rounded, then times the bf16 weight, rounded; RoPE products and their sum each rounded;
-// SiLU rounded, then its product with up rounded; each residual add rounded.
+// SiLU rounded, then its product with up rounded; each residual add rounded. In float32 every
+// rounding is the identity (the order of operations stays the unfused layer's), B blocks are
+// plain rows ([K][block_n], no VNNI pairs), and the entry points are vmkv_f32_*.
 //
 // Built by vmkv/kernels/cpu_bf16.py like csrc/cpu_attention.cpp (g++ -O3 -march=native
 // -fopenmp, cached, called through ctypes). Each entry point returns 0, 1 on bad arguments
@@ -28,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -42,15 +46,16 @@ using vmkv::bf16;
 
 extern "C" {
 
-// A packed linear layer: W^T in ceil(N / block_n) blocks of [K / 2][block_n][2] (zero-padded
-// columns in the last block), an optional bf16 bias [N].
+// A packed linear layer: W^T in ceil(N / block_n) blocks of [K / 2][block_n][2] (bf16; float32:
+// [K][block_n]), zero-padded columns in the last block, an optional bias [N] of the same type.
 struct VmkvBf16Linear {
-  const bf16* packed;
-  const bf16* bias;  // nullptr: none
+  const void* packed;
+  const void* bias;  // nullptr: none
   int64_t in_features, out_features, block_n;
 };
 
-// The ukernel's entry points and (optional) profiling counters {gemm ns, elementwise ns}.
+// The ukernel's entry points and (optional) profiling counters {gemm ns, elementwise ns}. For
+// the float32 entry points `brgemm` is the ukernel's float overload (same arguments, float*).
 struct VmkvBf16Gemm {
   VmkvBrgemm brgemm;
   VmkvBrgemmRelease release;
@@ -61,8 +66,8 @@ struct VmkvBf16Gemm {
 // columns, then the up projection's: intermediate must be a multiple of its block_n.
 struct VmkvBf16Layer {
   VmkvBf16Linear qkv, o, gate_up, down;
-  const bf16* input_norm;  // [hidden]
-  const bf16* post_norm;   // [hidden]
+  const void* input_norm;  // [hidden]
+  const void* post_norm;   // [hidden]
 };
 
 struct VmkvBf16Shape {
@@ -82,21 +87,36 @@ constexpr int64_t kMaxTileRows = 256;  // rows per ukernel call beyond it (prefi
 constexpr int64_t kMaxBlockN = 64;     // widest column block a weight may be packed in
 constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
 
+// the ukernel's float32 overload (VmkvBrgemm's arguments with float A and B)
+using BrgemmF32 = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                           int64_t ldc, bool add_c, const float* a, const float* b, float* c,
+                           bool is_vnni);
+
+template <typename T>
+constexpr bool kVnni = std::is_same_v<T, bf16>;  // B in VNNI pairs (bf16) or plain rows
+
+template <typename T>
 bool bad_linear(const VmkvBf16Linear& w, int64_t in, int64_t out) {
   return w.packed == nullptr || w.in_features != in || w.out_features != out ||
-         w.in_features % 2 != 0 || w.block_n <= 0 || w.block_n > kMaxBlockN ||
+         (kVnni<T> && w.in_features % 2 != 0) || w.block_n <= 0 || w.block_n > kMaxBlockN ||
          w.block_n % 16 != 0;
 }
 
 // c[rows, bn] = a[rows, K] (row stride lda) times column block `block` of w.
+template <typename T>
 inline void block_product(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, int64_t block,
-                          const bf16* a, int64_t lda, int64_t rows, float* c) {
+                          const T* a, int64_t lda, int64_t rows, float* c) {
   // No software prefetch of the next block: a burst of prefetches for its 64+ KiB waits on
   // line-fill buffers before the product starts, and decode's GEMMs were ~8 % slower with one
   // (`vmkv bench profile --dtype bfloat16 --batch-size 64`, 19.3 vs 17.7 ms); the hardware
   // streams the contiguous block by itself.
-  const bf16* b = w.packed + block * w.in_features * w.block_n;
-  g.brgemm(rows, w.block_n, w.in_features, lda, w.block_n, w.block_n, false, a, b, c, true);
+  const T* b = static_cast<const T*>(w.packed) + block * w.in_features * w.block_n;
+  if constexpr (kVnni<T>) {
+    g.brgemm(rows, w.block_n, w.in_features, lda, w.block_n, w.block_n, false, a, b, c, true);
+  } else {
+    reinterpret_cast<BrgemmF32>(g.brgemm)(rows, w.block_n, w.in_features, lda, w.block_n,
+                                          w.block_n, false, a, b, c, false);
+  }
 }
 
 // Runs task(m0, rows, block, scratch) for every (row tile, column block) of an m-row product
@@ -105,7 +125,7 @@ inline void block_product(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, int64_
 // (prefill): row tiles of at most kMaxTileRows, a whole number per thread, each thread sweeping
 // every column block with its rows of A in cache. Returns false when a task raised (the ukernel
 // reports errors as C++ exceptions, which must not cross the OpenMP region or the C ABI).
-template <typename Task>
+template <typename T, typename Task>
 bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task) {
 #if defined(_OPENMP)
   const int64_t threads = omp_get_max_threads();
@@ -133,7 +153,7 @@ bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task
       }
     }
     try {
-      g.release(true);
+      g.release(kVnni<T>);
     } catch (...) {
       failed = true;
     }
@@ -141,15 +161,16 @@ bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task
   return !failed;
 }
 
-inline float bias_at(const bf16* bias, int64_t n) {
-  return bias != nullptr ? bf16_to_float(bias[n]) : 0.0f;
+template <typename T>
+inline float bias_at(const T* bias, int64_t n) {
+  return bias != nullptr ? to_float(bias[n]) : 0.0f;
 }
 
 // Epilogues over one tile row: the float32 products c[0 .. cols) of columns n0 ..
 
 // out = round(c + bias)
-inline void store_rounded(const float* c, const bf16* bias, int64_t n0, int64_t cols,
-                          bf16* out) {
+template <typename T>
+inline void store_rounded(const float* c, const T* bias, int64_t n0, int64_t cols, T* out) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
   for (; i + kLanes <= cols; i += kLanes) {
@@ -158,29 +179,29 @@ inline void store_rounded(const float* c, const bf16* bias, int64_t n0, int64_t 
     vstore(out + i, y);
   }
 #endif
-  for (; i < cols; ++i) out[i] = float_to_bf16(c[i] + bias_at(bias, n0 + i));
+  for (; i < cols; ++i) out[i] = from_float<T>(c[i] + bias_at(bias, n0 + i));
 }
 
 // x = round(x + round(c + bias))
-inline void add_rounded(const float* c, const bf16* bias, int64_t n0, int64_t cols, bf16* x) {
+template <typename T>
+inline void add_rounded(const float* c, const T* bias, int64_t n0, int64_t cols, T* x) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
-  alignas(64) bf16 y[kLanes];
   for (; i + kLanes <= cols; i += kLanes) {
     vfloat p = vload(c + i);
     if (bias != nullptr) p = vadd(p, vload(bias + n0 + i));
-    vstore(y, p);
-    vstore(x + i, vadd(vload(x + i), vload(y)));
+    vstore(x + i, vadd(vload(x + i), vround_to<T>(p)));
   }
 #endif
   for (; i < cols; ++i) {
-    x[i] = float_to_bf16(bf16_to_float(x[i]) + round_bf16(c[i] + bias_at(bias, n0 + i)));
+    x[i] = from_float<T>(to_float(x[i]) + round_to<T>(c[i] + bias_at(bias, n0 + i)));
   }
 }
 
 // act = round(round(silu(round(gate + bg))) * round(up + bu))
-inline void silu_mul_rounded(const float* gate, const float* up, const bf16* bias_gate,
-                             const bf16* bias_up, int64_t n0, int64_t cols, bf16* act) {
+template <typename T>
+inline void silu_mul_rounded(const float* gate, const float* up, const T* bias_gate,
+                             const T* bias_up, int64_t n0, int64_t cols, T* act) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
   const vfloat one = vset1(1.0f);
@@ -188,32 +209,34 @@ inline void silu_mul_rounded(const float* gate, const float* up, const bf16* bia
     vfloat g = vload(gate + i), u = vload(up + i);
     if (bias_gate != nullptr) g = vadd(g, vload(bias_gate + n0 + i));
     if (bias_up != nullptr) u = vadd(u, vload(bias_up + n0 + i));
-    g = vround_bf16(g);
-    const vfloat silu = vround_bf16(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))));
-    vstore(act + i, vmul(silu, vround_bf16(u)));
+    g = vround_to<T>(g);
+    const vfloat silu = vround_to<T>(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))));
+    vstore(act + i, vmul(silu, vround_to<T>(u)));
   }
 #endif
   for (; i < cols; ++i) {
-    const float g = round_bf16(gate[i] + bias_at(bias_gate, n0 + i));
-    const float u = round_bf16(up[i] + bias_at(bias_up, n0 + i));
-    act[i] = float_to_bf16(round_bf16(g / (1.0f + exp_approx(-g))) * u);
+    const float g = round_to<T>(gate[i] + bias_at(bias_gate, n0 + i));
+    const float u = round_to<T>(up[i] + bias_at(bias_up, n0 + i));
+    act[i] = from_float<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * u);
   }
 }
 
 // out = round(weight * round(x * inv)) over n values of one row.
-inline void scale_row(const bf16* x, const bf16* weight, float inv, int64_t n, bf16* out) {
+template <typename T>
+inline void scale_row(const T* x, const T* weight, float inv, int64_t n, T* out) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
   for (; i + kLanes <= n; i += kLanes) {
-    vstore(out + i, vmul(vload(weight + i), vround_bf16(vmul(vload(x + i), vset1(inv)))));
+    vstore(out + i, vmul(vload(weight + i), vround_to<T>(vmul(vload(x + i), vset1(inv)))));
   }
 #endif
   for (; i < n; ++i) {
-    out[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(x[i]) * inv));
+    out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inv));
   }
 }
 
-inline float sum_squares(const bf16* x, int64_t n) {
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
   int64_t i = 0;
   float sum = 0.0f;
 #if defined(VMKV_VECTOR)
@@ -224,12 +247,13 @@ inline float sum_squares(const bf16* x, int64_t n) {
   }
   sum = vsum(acc);
 #endif
-  for (; i < n; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+  for (; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
   return sum;
 }
 
 // out[r] = round(weight * round(x[r] * rsqrt(mean(x[r]^2) + eps))), statistics in float32.
-void rms_norm(const bf16* x, const bf16* weight, int64_t t, int64_t n, float eps, bf16* out) {
+template <typename T>
+void rms_norm(const T* x, const T* weight, int64_t t, int64_t n, float eps, T* out) {
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r) {
     const float inv = 1.0f / std::sqrt(sum_squares(x + r * n, n) / static_cast<float>(n) + eps);
@@ -239,29 +263,30 @@ void rms_norm(const bf16* x, const bf16* weight, int64_t t, int64_t n, float eps
 
 // One head's half-split rotation in place: p[i] = round(round(x1 c) + round(x2 s)) for the first
 // half (x1 = p[i], x2 = p[i + half]) and the mirror for the second.
-inline void rope_head(bf16* p, const bf16* c, const bf16* s, int64_t half) {
+template <typename T>
+inline void rope_head(T* p, const T* c, const T* s, int64_t half) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
   for (; i + kLanes <= half; i += kLanes) {
     const vfloat x1 = vload(p + i), x2 = vload(p + half + i);
-    vstore(p + i, vadd(vround_bf16(vmul(x1, vload(c + i))), vround_bf16(vmul(x2, vload(s + i)))));
-    vstore(p + half + i, vadd(vround_bf16(vmul(x2, vload(c + half + i))),
-                              vround_bf16(vmul(x1, vload(s + half + i)))));
+    vstore(p + i, vadd(vround_to<T>(vmul(x1, vload(c + i))),
+                       vround_to<T>(vmul(x2, vload(s + i)))));
+    vstore(p + half + i, vadd(vround_to<T>(vmul(x2, vload(c + half + i))),
+                              vround_to<T>(vmul(x1, vload(s + half + i)))));
   }
 #endif
   for (; i < half; ++i) {
-    const float x1 = bf16_to_float(p[i]), x2 = bf16_to_float(p[i + half]);
-    p[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) +
-                         round_bf16(x2 * bf16_to_float(s[i])));
-    p[i + half] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[i + half])) +
-                                round_bf16(x1 * bf16_to_float(s[i + half])));
+    const float x1 = to_float(p[i]), x2 = to_float(p[i + half]);
+    p[i] = from_float<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(x2 * to_float(s[i])));
+    p[i + half] = from_float<T>(round_to<T>(x2 * to_float(c[i + half])) +
+                                round_to<T>(x1 * to_float(s[i + half])));
   }
 }
 
 // Neox half-split RoPE of `heads` heads of t rows (row stride `width`) in place:
 // x*cos + roll(x, D/2)*signed_sin, each product and the sum rounded.
-void rope(bf16* x, int64_t t, int64_t width, const bf16* cos, const bf16* ssin, int64_t heads,
-          int64_t d) {
+template <typename T>
+void rope(T* x, int64_t t, int64_t width, const T* cos, const T* ssin, int64_t heads, int64_t d) {
 #pragma omp parallel for schedule(static) if (t >= kParallelRows)
   for (int64_t r = 0; r < t; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -275,71 +300,132 @@ int64_t num_blocks(const VmkvBf16Linear& w) {
 }
 
 // out[m, N] = round(a w^T + b) (bf16, row stride ldo)
-bool linear_rounded(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a, int64_t lda,
-                    int64_t m, bf16* out, int64_t ldo) {
-  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+template <typename T>
+bool linear_rounded(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
+                    int64_t m, T* out, int64_t ldo) {
+  const T* bias = static_cast<const T*>(w.bias);
+  return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
+                                                   float* c) {
     block_product(g, w, j, a + m0 * lda, lda, rows, c);
     const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
     for (int64_t r = 0; r < rows; ++r) {
-      store_rounded(c + r * w.block_n, w.bias, n0, cols, out + (m0 + r) * ldo + n0);
+      store_rounded(c + r * w.block_n, bias, n0, cols, out + (m0 + r) * ldo + n0);
     }
   });
 }
 
 // x[m, N] = round(x + round(a w^T + b)) (row stride ldx)
-bool linear_residual(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a,
-                     int64_t lda, int64_t m, bf16* x, int64_t ldx) {
-  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+template <typename T>
+bool linear_residual(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
+                     int64_t m, T* x, int64_t ldx) {
+  const T* bias = static_cast<const T*>(w.bias);
+  return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
+                                                   float* c) {
     block_product(g, w, j, a + m0 * lda, lda, rows, c);
     const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
     for (int64_t r = 0; r < rows; ++r) {
-      add_rounded(c + r * w.block_n, w.bias, n0, cols, x + (m0 + r) * ldx + n0);
+      add_rounded(c + r * w.block_n, bias, n0, cols, x + (m0 + r) * ldx + n0);
     }
   });
 }
 
 // out[m, N] = a w^T + b in float32 (row stride ldo)
-bool linear_float(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* a, int64_t lda,
+template <typename T>
+bool linear_float(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
                   int64_t m, float* out, int64_t ldo) {
-  return for_each_tile(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+  const T* bias = static_cast<const T*>(w.bias);
+  return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
+                                                   float* c) {
     block_product(g, w, j, a + m0 * lda, lda, rows, c);
     const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
     for (int64_t r = 0; r < rows; ++r) {
       float* o = out + (m0 + r) * ldo + n0;
       const float* cr = c + r * w.block_n;
 #pragma omp simd
-      for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(w.bias, n0 + i);
+      for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
     }
   });
 }
 
 // act[m, I] = silu(h Wg^T) * (h Wu^T), rounded as transformers does; gate block j and up block
 // j + I / bn in one task.
-bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const bf16* h, int64_t ldh,
-                 int64_t m, int64_t inter, bf16* act) {
+template <typename T>
+bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* h, int64_t ldh,
+                 int64_t m, int64_t inter, T* act) {
   const int64_t bn = w.block_n, pairs = inter / bn;
-  const bf16* bias_up = w.bias != nullptr ? w.bias + inter : nullptr;
-  return for_each_tile(g, m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+  const T* bias = static_cast<const T*>(w.bias);
+  const T* bias_up = bias != nullptr ? bias + inter : nullptr;
+  return for_each_tile<T>(g, m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
     float* up = c + rows * bn;
     block_product(g, w, j, h + m0 * ldh, ldh, rows, c);
     block_product(g, w, pairs + j, h + m0 * ldh, ldh, rows, up);
     for (int64_t r = 0; r < rows; ++r) {
-      silu_mul_rounded(c + r * bn, up + r * bn, w.bias, bias_up, j * bn, bn,
+      silu_mul_rounded(c + r * bn, up + r * bn, bias, bias_up, j * bn, bn,
                        act + (m0 + r) * inter + j * bn);
     }
   });
 }
 
+template <typename T>
 bool bad_layer(const VmkvBf16Shape* s, const VmkvBf16Layer* w, int64_t t) {
   if (s == nullptr || w == nullptr || s->gemm.brgemm == nullptr ||
       s->gemm.release == nullptr || t < 0 || s->head_dim % 2 != 0) {
     return true;
   }
   const int64_t q = s->num_heads * s->head_dim, kv = s->num_kv_heads * s->head_dim;
-  return bad_linear(w->qkv, s->hidden, q + 2 * kv) || bad_linear(w->o, q, s->hidden) ||
-         bad_linear(w->gate_up, s->hidden, 2 * s->intermediate) ||
-         bad_linear(w->down, s->intermediate, s->hidden) ||
+  return bad_linear<T>(w->qkv, s->hidden, q + 2 * kv) || bad_linear<T>(w->o, q, s->hidden) ||
+         bad_linear<T>(w->gate_up, s->hidden, 2 * s->intermediate) ||
+         bad_linear<T>(w->down, s->intermediate, s->hidden) ||
          s->intermediate % w->gate_up.block_n != 0;
+}
+
+template <typename T>
+int linear_entry(const VmkvBf16Gemm* g, const VmkvBf16Linear* w, const T* a, int64_t lda,
+                 int64_t m, void* out, int64_t ldo, bool rounded) {
+  if (g == nullptr || w == nullptr || g->brgemm == nullptr || g->release == nullptr ||
+      bad_linear<T>(*w, w->in_features, w->out_features) || m < 0 || lda < w->in_features ||
+      ldo < w->out_features) {
+    return 1;
+  }
+  if (m == 0) return 0;
+  Lap lap(g->ns);
+  const bool ok = rounded ? linear_rounded(*g, *w, a, lda, m, static_cast<T*>(out), ldo)
+                          : linear_float(*g, *w, a, lda, m, static_cast<float*>(out), ldo);
+  lap(0);
+  return ok ? 0 : 2;
+}
+
+template <typename T>
+int attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const T* x, int64_t t,
+            const T* cos, const T* ssin, T* h, T* qkv) {
+  if (bad_layer<T>(s, w, t)) return 1;
+  if (t == 0) return 0;
+  const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+  Lap lap(s->gemm.ns);
+  rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
+  lap(1);
+  const bool ok = linear_rounded(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
+  lap(0);
+  rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
+  lap(1);
+  return ok ? 0 : 2;
+}
+
+template <typename T>
+int attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, T* x, int64_t t, const T* attn,
+             int64_t attn_stride, T* h, T* act) {
+  if (bad_layer<T>(s, w, t) || attn_stride < s->num_heads * s->head_dim) return 1;
+  if (t == 0) return 0;
+  const int64_t hidden = s->hidden, inter = s->intermediate;
+  Lap lap(s->gemm.ns);
+  bool ok = linear_residual(s->gemm, w->o, attn, attn_stride, t, x, hidden);
+  lap(0);
+  rms_norm(x, static_cast<const T*>(w->post_norm), t, hidden, s->eps, h);
+  lap(1);
+  ok = ok && gate_up_act(s->gemm, w->gate_up, h, hidden, t, inter, act);
+  ok = ok && linear_residual(s->gemm, w->down, act, inter, t, x, hidden);
+  lap(0);
+  return ok ? 0 : 2;
 }
 
 }  // namespace
@@ -350,52 +436,38 @@ extern "C" {
 // else bf16 rounded once.
 int vmkv_bf16_linear(const VmkvBf16Gemm* g, const VmkvBf16Linear* w, const bf16* a,
                      int64_t lda, int64_t m, void* out, int64_t ldo, int out_bf16) {
-  if (g == nullptr || w == nullptr || g->brgemm == nullptr || g->release == nullptr ||
-      bad_linear(*w, w->in_features, w->out_features) || m < 0 || lda < w->in_features ||
-      ldo < w->out_features) {
-    return 1;
-  }
-  if (m == 0) return 0;
-  Lap lap(g->ns);
-  const bool ok = out_bf16 ? linear_rounded(*g, *w, a, lda, m, static_cast<bf16*>(out), ldo)
-                           : linear_float(*g, *w, a, lda, m, static_cast<float*>(out), ldo);
-  lap(0);
-  return ok ? 0 : 2;
+  return linear_entry(g, w, a, lda, m, out, ldo, out_bf16 != 0);
 }
 
 // x [t, hidden] (read), cos/signed_sin [t, head_dim] bf16; writes h [t, hidden] (scratch) and
 // qkv [t, (Hq + 2 Hkv) * D] with RoPE applied to its q and k heads.
 int vmkv_bf16_attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const bf16* x, int64_t t,
                       const bf16* cos, const bf16* ssin, bf16* h, bf16* qkv) {
-  if (bad_layer(s, w, t)) return 1;
-  if (t == 0) return 0;
-  const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-  Lap lap(s->gemm.ns);
-  rms_norm(x, w->input_norm, t, s->hidden, s->eps, h);
-  lap(1);
-  const bool ok = linear_rounded(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
-  lap(0);
-  rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
-  lap(1);
-  return ok ? 0 : 2;
+  return attn_in(s, w, x, t, cos, ssin, h, qkv);
 }
 
 // x [t, hidden] updated in place by the attention output attn [t, Hq * D] (row stride
 // attn_stride) and the MLP; h [t, hidden] and act [t, intermediate] are scratch.
 int vmkv_bf16_attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, bf16* x, int64_t t,
                        const bf16* attn, int64_t attn_stride, bf16* h, bf16* act) {
-  if (bad_layer(s, w, t) || attn_stride < s->num_heads * s->head_dim) return 1;
-  if (t == 0) return 0;
-  const int64_t hidden = s->hidden, inter = s->intermediate;
-  Lap lap(s->gemm.ns);
-  bool ok = linear_residual(s->gemm, w->o, attn, attn_stride, t, x, hidden);
-  lap(0);
-  rms_norm(x, w->post_norm, t, hidden, s->eps, h);
-  lap(1);
-  ok = ok && gate_up_act(s->gemm, w->gate_up, h, hidden, t, inter, act);
-  ok = ok && linear_residual(s->gemm, w->down, act, inter, t, x, hidden);
-  lap(0);
-  return ok ? 0 : 2;
+  return attn_out(s, w, x, t, attn, attn_stride, h, act);
+}
+
+// The same three in float32 (gemm.brgemm: the ukernel's float overload; weights packed as
+// plain [K][block_n] blocks); the last argument of vmkv_f32_linear is ignored (always float32).
+int vmkv_f32_linear(const VmkvBf16Gemm* g, const VmkvBf16Linear* w, const float* a,
+                    int64_t lda, int64_t m, void* out, int64_t ldo, int /*out_bf16*/) {
+  return linear_entry(g, w, a, lda, m, out, ldo, true);
+}
+
+int vmkv_f32_attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const float* x,
+                     int64_t t, const float* cos, const float* ssin, float* h, float* qkv) {
+  return attn_in(s, w, x, t, cos, ssin, h, qkv);
+}
+
+int vmkv_f32_attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, float* x, int64_t t,
+                      const float* attn, int64_t attn_stride, float* h, float* act) {
+  return attn_out(s, w, x, t, attn, attn_stride, h, act);
 }
 
 }  // extern "C"

@@ -66,6 +66,10 @@ inline float exp_approx(float x) {
 
 // x rounded to bfloat16 precision, kept as a float (a bf16 tensor's value between two ops)
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+// x at element type T's precision, kept as a float (float: x itself)
+template <typename T> inline float round_to(float x);
+template <> inline float round_to<float>(float x) { return x; }
+template <> inline float round_to<bf16>(float x) { return round_bf16(x); }
 
 
 #if defined(__AVX512F__)
@@ -192,6 +196,11 @@ inline vfloat vround_bf16(vfloat x) {
   vstore(h, x);
   return vload(h);
 }
+#endif
+#if defined(VMKV_VECTOR)
+template <typename T> inline vfloat vround_to(vfloat x);  // round_to on every lane
+template <> inline vfloat vround_to<float>(vfloat x) { return x; }
+template <> inline vfloat vround_to<bf16>(vfloat x) { return vround_bf16(x); }
 #endif
 
 // exp(x) for x <= 0 that vectorises (glibc's expf does not, outside -ffast-math):

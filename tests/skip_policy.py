@@ -26,8 +26,9 @@ CPU_ONLY = "CPU-only test: a CUDA device is present"
 NEEDS_NVCC = "needs the CUDA toolkit (nvcc), a GPU-only package"
 NEEDS_X86 = "needs an x86-64 CPU (torch has MKL's packed GEMM only there)"
 NEEDS_BF16 = "needs a CPU with bfloat16 hardware (amx_bf16 or avx512_bf16)"
+NEEDS_AVX512 = "needs an AVX-512 CPU (float32 brgemm is used only there)"
 #: the skip reasons the suite allows (a reason may add detail after one of them)
-REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86, NEEDS_BF16)
+REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86, NEEDS_BF16, NEEDS_AVX512)
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason=NEEDS_CUDA)
 cpu_only = pytest.mark.skipif(CUDA, reason=CPU_ONLY)
@@ -78,6 +79,22 @@ def require_bf16_kernels() -> None:
         pytest.skip(NEEDS_BF16)
     require(cpu_bf16.available, f"the bfloat16 kernels ({cpu_bf16.SOURCE.name})",
             lambda: f"{cpu_bf16.unavailable_reason()}\n{load_failure(cpu_bf16.LIBRARY) or ''}")
+
+
+def require_f32_brgemm() -> None:
+    """Skip on a CPU without AVX-512; elsewhere fail unless the float32 brgemm kernels run."""
+    import torch
+
+    from vmkv.cpu_info import cpu_features
+    from vmkv.kernels import cpu_bf16
+    from vmkv.kernels.build import load_failure
+
+    if "avx512f" not in cpu_features().split():
+        pytest.skip(NEEDS_AVX512)
+    require(lambda: cpu_bf16.available(torch.float32),
+            f"the float32 brgemm kernels ({cpu_bf16.SOURCE.name})",
+            lambda: f"{cpu_bf16.unavailable_reason(torch.float32)}\n"
+                    f"{load_failure(cpu_bf16.LIBRARY) or ''}")
 
 
 def require_default_model() -> None:

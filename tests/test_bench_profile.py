@@ -23,7 +23,7 @@ def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, layers: 
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "1" if layers == "fused" else "0")
     if layers == "fused":
         require_mkl()
-    # fused layers need MKL linears, which "auto" picks only on Intel CPUs
+    # the MKL library of fused layers (auto takes brgemm off Intel CPUs with AVX-512)
     backend = ["--linear-backend", "mkl"] if layers == "fused" else []
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     assert main(["bench", "profile", "--kv-mode", kv_mode, "--batch-size", "3",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_helpers import make_kv, prefill_logits, save_tiny_llama
-from skip_policy import require_cpu_kernel, require_mkl
+from skip_policy import require_cpu_kernel, require_f32_brgemm, require_mkl
 
 from vmkv.kernels import cpu_decoder_layer as kernels
 from vmkv.models import load_model
@@ -35,12 +35,16 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
+@pytest.mark.parametrize("backend", ["mkl", "brgemm"])
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
-def test_fused_logits_equal_the_modules(checkpoint: Path, kv_mode: str) -> None:
+def test_fused_logits_equal_the_modules(checkpoint: Path, kv_mode: str, backend: str) -> None:
     """Prefill steps of 300 tokens (the elementwise loops on the OpenMP team) and of 5 (on the
-    calling thread), then single-token steps: every position's logits as the modules give."""
-    modules, cfg = load_model(checkpoint, linear_backend="mkl")
-    fused, _ = load_model(checkpoint, linear_backend="mkl")
+    calling thread), then single-token steps: every position's logits as the modules give,
+    for both float32 layer libraries (MKL's packed GEMM; the brgemm body in float32)."""
+    if backend == "brgemm":
+        require_f32_brgemm()
+    modules, cfg = load_model(checkpoint, linear_backend=backend)
+    fused, _ = load_model(checkpoint, linear_backend=backend)
     assert fuse_layers(fused) is not None and unfusable(modules) is None
     prompt = torch.randint(0, cfg.vocab_size, (310,), generator=torch.Generator().manual_seed(1))
     for chunk in (300, 5, 1):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from skip_policy import require, require_bf16_kernels, require_mkl
+from skip_policy import require, require_bf16_kernels, require_f32_brgemm, require_mkl
 from torch import nn
 
+from vmkv.kernels import cpu_bf16
 from vmkv.models import linear as linear_module
 from vmkv.models.linear import (
     PackedLinear,
@@ -56,11 +57,13 @@ def test_pack_linears_swaps_cpu_float32_layers_only() -> None:
 
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_auto_takes_mkl_on_intel_and_onednn_elsewhere(vendor: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_mkl_on_intel_and_brgemm_or_onednn_elsewhere(
+        vendor: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
     if vendor == "GenuineIntel" and mkl_available():
         want = "mkl"
+    elif cpu_bf16.available(torch.float32):
+        want = "brgemm"
     else:
         want = ("onednn" if onednn_available() else "mkl" if mkl_available() else "torch")
     assert resolve_backend("auto") == want
@@ -107,11 +110,29 @@ def test_bfloat16_backends_and_refusals() -> None:
     assert resolve_backend("auto", torch.bfloat16) == "brgemm"
     with pytest.raises(ValueError, match="float32 only"):
         resolve_backend("mkl", torch.bfloat16)
-    with pytest.raises(ValueError, match="for bfloat16 weights"):
-        resolve_backend("brgemm")
     model = nn.Sequential(nn.Linear(64, 64).to(torch.bfloat16))
     model.lm_head = nn.Linear(64, 100, bias=False).to(torch.bfloat16)
     assert pack_linears(model) == 2
     assert model[0].out_dtype == torch.bfloat16 and model.lm_head.out_dtype == torch.float32
-    with pytest.raises(ValueError, match="a bf16 linear takes bfloat16"):
-        model[0](torch.randn(3, 64))
+    with pytest.raises(ValueError, match="a brgemm linear takes bfloat16 or float32"):
+        model[0](torch.randn(3, 64).double())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("rows", "inp", "out"), [(0, 576, 960), (1, 576, 960), (7, 40, 50),
+                                                   (64, 1536, 576), (300, 576, 3072)])
+def test_brgemm_float32_is_f_linear_up_to_summation_order(bias: bool, rows: int, inp: int,
+                                                          out: int) -> None:
+    """The float32 brgemm linear (plain column blocks, the ukernel's float overload): one row
+    tile and several, a partial last column block, odd shapes, a strided input."""
+    require_f32_brgemm()
+    torch.manual_seed(rows + out)
+    linear = nn.Linear(inp, out, bias=bias).requires_grad_(False)
+    x = torch.randn(rows, inp)
+    packed = PackedLinear(linear, 64, "brgemm")
+    got = packed(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias),
+                               rtol=1e-4, atol=1e-4)
+    strided = torch.randn(rows, 2 * inp)[:, ::2]  # row stride != width
+    assert torch.equal(packed(strided), packed(strided.contiguous()))

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from vmkv.bench.timing import call_ms
+from vmkv.kernels import cpu_bf16
 from vmkv.kernels.cpu_decoder_layer import GEMM_NS
 from vmkv.models import linear as linear_module
 from vmkv.models.linear import PackedLinear
@@ -75,8 +76,10 @@ class StepTimer:
             fused.profile(True)
             self._undo.append(lambda: fused.profile(False))
         if any(isinstance(m, PackedLinear) for m in model.modules()):
-            # every packed linear, eager or called from compiled layers, goes through this
+            # every packed linear, eager or called from compiled layers, goes through one
+            # of these (mkl/onednn; brgemm)
             self._wrap(linear_module, "packed_gemm", "gemm", gemm=True)
+            self._wrap(cpu_bf16, "linear", "gemm", gemm=True)
         else:  # plain nn.Linear layers (eager only: compiled ones are fused out of reach)
             for layer in model.layers:
                 for module in layer.modules():

@@ -8,11 +8,13 @@
                                                           SiLU*up, down GEMM, residual (one C call)
     return norm(x)
 
-Two libraries, one per dtype, with the same two calls per layer:
+Two libraries with the same two calls per layer, chosen by the linears' backend:
 
-    float32    csrc/cpu_decoder_layer.cpp   MKL's packed sgemm (linear_backend mkl)
-    bfloat16   csrc/cpu_bf16_layer.cpp      oneDNN's brgemm ukernel on AMX (linear_backend
-                                            brgemm), rounding to bf16 where transformers does
+    float32, mkl        csrc/cpu_decoder_layer.cpp   MKL's packed sgemm
+    bfloat16, brgemm    csrc/cpu_bf16_layer.cpp      oneDNN's brgemm ukernel on AMX or
+                                                     AVX512-BF16, rounding to bf16 where
+                                                     transformers does
+    float32, brgemm     csrc/cpu_bf16_layer.cpp      the same body in float32 (AVX-512)
 
 It replaces :meth:`LlamaModel.body <vmkv.models.llama.LlamaModel.body>` (``model.run_body``)
 when every layer can take it: the four linears packed for that library, no per-head q/k norm,
@@ -42,21 +44,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Library:
-    """One dtype's layer library: the linear backend its weights need and its calls."""
+    """One layer library: the dtype and linear backend its weights need, and its calls."""
 
+    dtype: torch.dtype
     backend: str  # PackedLinear.backend the calls read
     act_width: int  # scratch columns per intermediate column: gate|up (2) or SiLU*up (1)
 
     def lib(self) -> ctypes.CDLL:
-        return f32_kernels.library() if self.backend == "mkl" else cpu_bf16.library()
+        return f32_kernels.library() if self.backend == "mkl" else cpu_bf16.library(self.dtype)
 
     def unavailable(self) -> str | None:
         if self.backend == "mkl":
             return None if f32_kernels.available() else "the kernel library did not build"
-        return cpu_bf16.unavailable_reason()
+        return cpu_bf16.unavailable_reason(self.dtype)
 
 
-_LIBRARIES = {torch.float32: _Library("mkl", 2), torch.bfloat16: _Library("brgemm", 1)}
+_LIBRARIES = {(torch.float32, "mkl"): _Library(torch.float32, "mkl", 2),
+              (torch.float32, "brgemm"): _Library(torch.float32, "brgemm", 1),
+              (torch.bfloat16, "brgemm"): _Library(torch.bfloat16, "brgemm", 1)}
+
+
+def _library_of(model: LlamaModel) -> _Library | None:
+    """The library for ``model``'s dtype and its first layer's qkv backend (None: none)."""
+    qkv = model.layers[0].self_attn.qkv_proj if model.layers else None
+    backend = qkv.backend if isinstance(qkv, PackedLinear) else None
+    return _LIBRARIES.get((model.dtype, backend))
 
 
 class FusedLayers:
@@ -66,7 +78,9 @@ class FusedLayers:
     def __init__(self, model: LlamaModel) -> None:
         cfg = model.config
         self.model = model
-        self.library = _LIBRARIES[model.dtype]
+        library = _library_of(model)
+        assert library is not None, "fuse_layers checks unfusable() first"
+        self.library = library
         self.lib = self.library.lib()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -75,7 +89,7 @@ class FusedLayers:
         self.qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         #: GEMM and elementwise ns, added to while :meth:`profile` is on
         self.ns = torch.zeros(2, dtype=torch.int64)
-        if model.dtype == torch.float32:
+        if library.backend == "mkl":
             self.shape: ctypes.Structure = f32_kernels.LayerShape(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
@@ -85,9 +99,11 @@ class FusedLayers:
             self.shape = cpu_bf16.ShapeArgs(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-                gemm=cpu_bf16.gemm_args())
-            self.attn_in, self.attn_out = self.lib.vmkv_bf16_attn_in, self.lib.vmkv_bf16_attn_out
-        self.layers = [ctypes.pointer(_layer_args(layer, model.dtype)) for layer in model.layers]
+                gemm=cpu_bf16.gemm_args(dtype=model.dtype))
+            self.attn_in, self.attn_out = (cpu_bf16.entry(self.lib, model.dtype, name)
+                                           for name in ("attn_in", "attn_out"))
+        self.layers = [ctypes.pointer(_layer_args(layer, library.backend))
+                       for layer in model.layers]
         #: 2 * (the layers' linear weights): a token's GEMM FLOPs through the stack
         self.flops_per_token = 2 * sum(
             lin.in_features * lin.out_features for layer in model.layers
@@ -146,8 +162,8 @@ def _f32_linear_args(lin: PackedLinear) -> f32_kernels.PackedLinearArgs:
         in_features=lin.in_features, out_features=lin.out_features)
 
 
-def _layer_args(layer: LlamaDecoderLayer, dtype: torch.dtype) -> ctypes.Structure:
-    if dtype == torch.float32:
+def _layer_args(layer: LlamaDecoderLayer, backend: str) -> ctypes.Structure:
+    if backend == "mkl":
         structure, linear_args = f32_kernels.DecoderLayerArgs, _f32_linear_args
     else:
         structure, linear_args = cpu_bf16.LayerArgs, PackedLinear.brgemm_args
@@ -159,9 +175,11 @@ def _layer_args(layer: LlamaDecoderLayer, dtype: torch.dtype) -> ctypes.Structur
 
 def unfusable(model: LlamaModel) -> str | None:
     """Why ``model``'s layers cannot run fused (None if they can)."""
-    library = _LIBRARIES.get(model.dtype)
-    if model.device.type != "cpu" or library is None:
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return f"{model.dtype} on {model.device.type} (fused layers are float32/bfloat16 CPU)"
+    library = _library_of(model)
+    if library is None:
+        return "the linears are not packed for mkl or brgemm (linear_backend)"
     for layer in model.layers:
         if any(not (isinstance(lin, PackedLinear) and lin.backend == library.backend)
                for lin in _linears(layer)):
@@ -174,8 +192,9 @@ def unfusable(model: LlamaModel) -> str | None:
                    *(lin.bias for lin in _linears(layer) if lin.bias is not None)]
         if any(t.dtype != model.dtype or not t.is_contiguous() for t in tensors):
             return f"norm weights or biases that are not contiguous {model.dtype}"
-        gate_up = layer.mlp.gate_up_proj.packed_weight  # brgemm: [blocks, K/2, bn, 2]
-        if library.backend == "brgemm" and model.config.intermediate_size % gate_up.shape[-2]:
+        gate_up = layer.mlp.gate_up_proj.packed_weight
+        if (library.backend == "brgemm"
+                and model.config.intermediate_size % cpu_bf16.block_width(gate_up)):
             return "an intermediate size that is not a whole number of packed column blocks"
     if model.config.head_dim % 2:
         return "an odd head_dim"

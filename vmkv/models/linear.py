@@ -3,6 +3,7 @@
     backend   dtype         weight at load                      per call
     mkl       float32       cblas_sgemm_pack (MKL's layout)     cblas_sgemm_compute, any rows
     brgemm    bfloat16      VNNI column blocks (cpu_bf16)       oneDNN's brgemm ukernel (AMX)
+              float32       plain column blocks (cpu_bf16)      its float overload (AVX-512)
     onednn    either        mkldnn._reorder_linear_weight       mkldnn._linear_pointwise
     torch     either        as loaded                           F.linear (what transformers runs)
 
@@ -12,10 +13,12 @@ GFLOP/s where ``F.linear`` reached ~100-120 (AVX2), and MKL's packed compute bea
 1.1-2.5x at the decoder's shapes for 1-64 rows (AVX-512 Xeon, docs/benchmarks.md): it has no
 per-call primitive set-up (~13 us for oneDNN) and its packed weight serves any row count.
 MKL's ``cblas_sgemm_pack``/``cblas_sgemm_compute`` are reached through ctypes in torch's own
-``libtorch_cpu`` (torch links MKL in on x86-64). ``auto`` takes MKL on Intel CPUs, where it was
-measured, and oneDNN elsewhere or where the MKL symbols are missing (MKL on AMD was not
-measured; ``linear_backend="mkl"`` forces it). All three differ only by float reassociation
-(~1e-6 relative); ``mkl`` mostly matches ``F.linear`` bit for bit.
+``libtorch_cpu`` (torch links MKL in on x86-64). In float32 ``auto`` takes MKL on Intel CPUs,
+where it was measured; on other CPUs with AVX-512 the brgemm ukernel's float overload (an
+AVX512-BF16 EPYC: ~110 GFLOP/s per core, and with the fused layers it enables 1.17x the
+oneDNN + compiled-layer engine on a balanced mix, where MKL was 0.82x); elsewhere oneDNN, or
+MKL where oneDNN is missing. All differ only by float reassociation (~1e-6 relative); ``mkl``
+mostly matches ``F.linear`` bit for bit.
 
 In bfloat16 ``auto`` takes ``brgemm`` where the CPU has bf16 hardware
 (:mod:`vmkv.kernels.cpu_bf16`: oneDNN's AMX ukernel through torch, no per-call set-up, results
@@ -120,7 +123,8 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 _GEMMS = {"mkl": _mkl_linear, "onednn": _onednn_linear}
 #: the backends each dtype can pack for
-PACKED_BACKENDS = {torch.float32: ("mkl", "onednn"), torch.bfloat16: ("brgemm", "onednn")}
+PACKED_BACKENDS = {torch.float32: ("mkl", "brgemm", "onednn"),
+                   torch.bfloat16: ("brgemm", "onednn")}
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -173,7 +177,8 @@ class PackedLinear(nn.Module):
                                                 self.out_features, self.backend)
         if self.backend == "brgemm":
             if self._brgemm is None:
-                self._brgemm = (self.brgemm_args(), cpu_bf16.gemm_args())
+                self._brgemm = (self.brgemm_args(),
+                                cpu_bf16.gemm_args(dtype=self.packed_weight.dtype))
             return cpu_bf16.linear(x, *self._brgemm, self.out_dtype)
         return packed_gemm(x, self.packed_weight, self.bias, self.out_features, self.backend)
 
@@ -184,9 +189,9 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     """:func:`packed_gemm` for compiled code (Inductor has no lowering for a weight packed
     outside it)."""
     if backend == "brgemm":
-        k = packed_weight.shape[1] * 2
+        k = cpu_bf16.packed_in_features(packed_weight)
         args = cpu_bf16.linear_args(packed_weight, bias, k, out_features)
-        return cpu_bf16.linear(x, args, cpu_bf16.gemm_args(), x.dtype)
+        return cpu_bf16.linear(x, args, cpu_bf16.gemm_args(dtype=x.dtype), x.dtype)
     return packed_gemm(x, packed_weight, bias, out_features, backend)
 
 
@@ -205,8 +210,12 @@ def resolve_backend(backend: str, dtype: torch.dtype = torch.float32) -> str:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     if dtype == torch.bfloat16:
         return _resolve_bf16(backend)
-    if backend == "auto":  # MKL was measured faster on Intel only (not measured elsewhere)
-        if mkl_available() and (cpu_vendor() == "GenuineIntel" or not onednn_available()):
+    if backend == "auto":  # each measured fastest where it is taken (docs/benchmarks.md)
+        if mkl_available() and cpu_vendor() == "GenuineIntel":
+            return "mkl"
+        if cpu_bf16.available(torch.float32):
+            return "brgemm"
+        if mkl_available() and not onednn_available():
             return "mkl"
         return "onednn" if onednn_available() else "torch"
     if backend == "mkl" and not mkl_available():
@@ -214,8 +223,9 @@ def resolve_backend(backend: str, dtype: torch.dtype = torch.float32) -> str:
                          "(cblas_sgemm_pack in libtorch_cpu)")
     if backend == "onednn" and not onednn_available():
         raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
-    if backend == "brgemm":
-        raise ValueError("linear_backend='brgemm' is for bfloat16 weights")
+    if backend == "brgemm" and not cpu_bf16.available(torch.float32):
+        raise ValueError(f"linear_backend='brgemm' cannot run float32 here: "
+                         f"{cpu_bf16.unavailable_reason(torch.float32)}")
     return backend
 
 
