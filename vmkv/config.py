@@ -203,16 +203,18 @@ class EngineConfig:
         choices=PREFIX_CACHE_HASHES)
     linear_backend: str = option(
         "auto", "CPU linears with weights packed at load: mkl (MKL's packed GEMM, float32), "
-        "brgemm (oneDNN's AMX ukernel, bfloat16), onednn, auto (float32: mkl on Intel CPUs, "
-        "else onednn; bfloat16: brgemm on CPUs with bf16 hardware, else onednn), or torch "
-        "(F.linear, bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+        "brgemm (oneDNN's brgemm ukernel: bfloat16 on AMX/AVX512-BF16, float32 on AVX-512), "
+        "onednn, auto (float32: mkl on Intel CPUs, brgemm on other AVX-512 CPUs, else onednn; "
+        "bfloat16: brgemm on CPUs with bf16 hardware, else onednn), or torch (F.linear, "
+        "bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag)")
     # switches whose default comes from the environment (None: read it at construction)
     fused_layers: bool | None = option(
-        None, "CPU float32 engines with MKL linears run each decoder layer but its attention "
-        "as two C++ calls (csrc/cpu_decoder_layer.cpp) instead of torch modules; default: "
+        None, "CPU engines with mkl or brgemm linears run each decoder layer but its attention "
+        "as two C++ calls (csrc/cpu_decoder_layer.cpp, csrc/cpu_bf16_layer.cpp) instead of "
+        "torch modules; default: "
         "$VMKV_FUSED_LAYERS, else on", env=envs.VMKV_FUSED_LAYERS)
     compile_layers: bool | None = option(
         None, "CPU engines compile their decoder layers with TorchInductor (unless fused or "

@@ -52,8 +52,8 @@ VMKV_AUTO_DTYPE = EnvVar(
     "equality checks against float32 transformers hold on every machine)")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
-    "default of `--fused-layers`: CPU engines (float32 with MKL linears, bfloat16 with brgemm "
-    "ones) run each decoder layer but its attention as two C++ calls "
+    "default of `--fused-layers`: CPU engines (float32 with MKL or brgemm linears, bfloat16 "
+    "with brgemm ones) run each decoder layer but its attention as two C++ calls "
     "(csrc/cpu_decoder_layer.cpp, cpu_bf16_layer.cpp); 0: off")
 VMKV_BACKGROUND_MAPPER = EnvVar(
     "VMKV_BACKGROUND_MAPPER", "1",

@@ -66,8 +66,8 @@ class Worker:
                                   max_model_len=self.max_model_len, device=device)
         self.attn = create_attention_backend(self.kv, config.attention_backend)
         self.runner = ModelRunner(self.model, self.attn)
-        # CPU float32 with MKL linears or bfloat16 with brgemm ones: the layers as C++ calls
-        # (off: --no-fused-layers);
+        # CPU float32 with MKL or brgemm linears, or bfloat16 with brgemm ones: the layers as
+        # C++ calls (off: --no-fused-layers);
         # otherwise compiled with TorchInductor (off: --enforce-eager or --no-compile-layers;
         # without a compiler or on a failure: eager, logged). Warm-up without collectives:
         # each rank compiles (or not, or fails) on its own

@@ -1,8 +1,8 @@
 """Part 3, the virtual tax on this machine: what virtual mode pays that paged mode does not
 (map and unmap calls, page creation, first touch of fresh pages: page faults and the kernel's
-zero-fill), per page size and layout, with and without pre-mapping and a pre-created pool (pages on demand),
-each as a share of the step; beside it one decode and one prefill step split into parts
-(``vmkv bench profile``) in both modes.
+zero-fill), per page size and layout, with and without pre-mapping and a pre-created pool
+(pages on demand), each as a share of the step; beside it one decode and one prefill step split
+into parts (``vmkv bench profile``) in both modes.
 
 Every variant is an engine of its own, all run alternately on the same requests
 (:func:`~vmkv.bench.study.runs.alternate`), with the process's page faults and, where the
