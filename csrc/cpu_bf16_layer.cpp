@@ -299,50 +299,34 @@ int64_t num_blocks(const VmkvBf16Linear& w) {
   return (w.out_features + w.block_n - 1) / w.block_n;
 }
 
-// out[m, N] = round(a w^T + b) (bf16, row stride ldo)
-template <typename T>
-bool linear_rounded(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
-                    int64_t m, T* out, int64_t ldo) {
-  const T* bias = static_cast<const T*>(w.bias);
-  return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
-                                                   float* c) {
-    block_product(g, w, j, a + m0 * lda, lda, rows, c);
-    const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
-    for (int64_t r = 0; r < rows; ++r) {
-      store_rounded(c + r * w.block_n, bias, n0, cols, out + (m0 + r) * ldo + n0);
-    }
-  });
-}
+// What a linear's epilogue does with its float32 products c (+ bias) in out (row stride ldo):
+enum class Store {
+  kRounded,   // out = round(c + b)          (T)
+  kResidual,  // out = round(out + round(c + b))
+  kFloat,     // out = c + b                 (float32: the LM head)
+};
 
-// x[m, N] = round(x + round(a w^T + b)) (row stride ldx)
-template <typename T>
-bool linear_residual(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
-                     int64_t m, T* x, int64_t ldx) {
+// out[m, N] from a[m, K] (row stride lda) w^T: every (row tile, column block) product, each row
+// of it stored by S while in cache.
+template <Store S, typename T, typename Out>
+bool linear(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda, int64_t m,
+            Out* out, int64_t ldo) {
   const T* bias = static_cast<const T*>(w.bias);
   return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
                                                    float* c) {
     block_product(g, w, j, a + m0 * lda, lda, rows, c);
     const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
     for (int64_t r = 0; r < rows; ++r) {
-      add_rounded(c + r * w.block_n, bias, n0, cols, x + (m0 + r) * ldx + n0);
-    }
-  });
-}
-
-// out[m, N] = a w^T + b in float32 (row stride ldo)
-template <typename T>
-bool linear_float(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t lda,
-                  int64_t m, float* out, int64_t ldo) {
-  const T* bias = static_cast<const T*>(w.bias);
-  return for_each_tile<T>(g, m, num_blocks(w), [&](int64_t m0, int64_t rows, int64_t j,
-                                                   float* c) {
-    block_product(g, w, j, a + m0 * lda, lda, rows, c);
-    const int64_t n0 = j * w.block_n, cols = std::min(w.block_n, w.out_features - n0);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* o = out + (m0 + r) * ldo + n0;
       const float* cr = c + r * w.block_n;
+      Out* o = out + (m0 + r) * ldo + n0;
+      if constexpr (S == Store::kRounded) {
+        store_rounded(cr, bias, n0, cols, o);
+      } else if constexpr (S == Store::kResidual) {
+        add_rounded(cr, bias, n0, cols, o);
+      } else {
 #pragma omp simd
-      for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
+        for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
+      }
     }
   });
 }
@@ -389,8 +373,8 @@ int linear_entry(const VmkvBf16Gemm* g, const VmkvBf16Linear* w, const T* a, int
   }
   if (m == 0) return 0;
   Lap lap(g->ns);
-  const bool ok = rounded ? linear_rounded(*g, *w, a, lda, m, static_cast<T*>(out), ldo)
-                          : linear_float(*g, *w, a, lda, m, static_cast<float*>(out), ldo);
+  const bool ok = rounded ? linear<Store::kRounded>(*g, *w, a, lda, m, static_cast<T*>(out), ldo)
+                          : linear<Store::kFloat>(*g, *w, a, lda, m, static_cast<float*>(out), ldo);
   lap(0);
   return ok ? 0 : 2;
 }
@@ -404,7 +388,7 @@ int attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const T* x, int64_t 
   Lap lap(s->gemm.ns);
   rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
   lap(1);
-  const bool ok = linear_rounded(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
+  const bool ok = linear<Store::kRounded>(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
   lap(0);
   rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
   lap(1);
@@ -418,12 +402,12 @@ int attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, T* x, int64_t t, co
   if (t == 0) return 0;
   const int64_t hidden = s->hidden, inter = s->intermediate;
   Lap lap(s->gemm.ns);
-  bool ok = linear_residual(s->gemm, w->o, attn, attn_stride, t, x, hidden);
+  bool ok = linear<Store::kResidual>(s->gemm, w->o, attn, attn_stride, t, x, hidden);
   lap(0);
   rms_norm(x, static_cast<const T*>(w->post_norm), t, hidden, s->eps, h);
   lap(1);
   ok = ok && gate_up_act(s->gemm, w->gate_up, h, hidden, t, inter, act);
-  ok = ok && linear_residual(s->gemm, w->down, act, inter, t, x, hidden);
+  ok = ok && linear<Store::kResidual>(s->gemm, w->down, act, inter, t, x, hidden);
   lap(0);
   return ok ? 0 : 2;
 }
