@@ -102,9 +102,10 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
 def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the ``dtype`` (bfloat16 or float32) kernels cannot run here (None when they can;
-    builds the library)."""
+    builds the library). Cached: every brgemm linear call asks it."""
     if dtype == torch.bfloat16 and not bf16_hardware():
         return "this CPU has no bfloat16 hardware (AMX-BF16 or AVX512-BF16)"
     if dtype == torch.float32 and "avx512f" not in cpu_features().split():

@@ -210,7 +210,7 @@ def resolve_backend(backend: str, dtype: torch.dtype = torch.float32) -> str:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     if dtype == torch.bfloat16:
         return _resolve_bf16(backend)
-    if backend == "auto":  # each measured fastest where it is taken (docs/benchmarks.md)
+    if backend == "auto":  # each measured fastest where it is taken (the docstring above)
         if mkl_available() and cpu_vendor() == "GenuineIntel":
             return "mkl"
         if cpu_bf16.available(torch.float32):
