@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -37,6 +38,7 @@ using namespace vmkv;
 
 
 constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
+constexpr int64_t kMaxTaskRows = 48;  // query heads of one decode task (its KV heads x group)
 
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -178,47 +180,64 @@ struct NewRows {
 #if defined(__AVX512BF16__)
 // bfloat16 decode on AVX512-BF16 dot products (vdpbf16ps): no widening of K/V, a score tile of
 // 16 tokens summed into one vector at once, P rounded to bf16 for the value products (as torch's
-// CPU flash attention does). Taken for bf16 caches whose head_dim is a multiple of 32 and GQA
-// groups of up to kDpMaxGroup query heads; other shapes use the widening loops above.
+// CPU flash attention does). Compiled per GQA group (up to kDpMaxGroup query heads per KV head)
+// and head_dim (64 or 128) so that a tile's partial scores and a dim chunk's value accumulators
+// stay in registers (with runtime shapes they lived on the stack and the kernel, at 37 ns per
+// token of 3 KV heads on a 2-core EPYC from cache, was slower than memory; compiled: 17 ns);
+// other shapes use the widening loops above.
 constexpr int64_t kDpTile = 16;      // tokens per score vector
 constexpr int64_t kDpBlock = 64;     // tokens per online-softmax step (whole score vectors)
-constexpr int64_t kDpMaxGroup = 16;  // query heads per KV head
-constexpr int64_t kDpMaxVecs = 8;    // head_dim / 32 (head_dim <= 256)
+constexpr int kDpMaxGroup = 8;       // query heads per KV head
+
+// Vectors of a dim chunk whose value accumulators (two per query head and vector) fit in
+// about 24 registers.
+template <int GROUP, int VECS>
+constexpr int dp_chunk_vecs() {
+  int cv = VECS;
+  while (cv > 1 && 2 * GROUP * cv > 24) cv /= 2;
+  return cv;
+}
 
 inline __m512i load_row_part(const bf16* p) { return _mm512_loadu_si512(p); }
 
 // The task's KV heads [kvh0, kvh1) of request b over its len tokens: q (bf16, exact) against K
 // in place, online softmax in float32, values accumulated as bf16 pairs into float32 lanes whose
 // dims are interleaved (unpacklo/hi of two V rows: lane 4L + k of chunk c is dim 32c + 8L + k,
-// or + 4 for the high half), undone at the store.
-template <bool PAGED>
+// or + 4 for the high half), undone at the store. (kvh1 - kvh0) * GROUP <= kMaxTaskRows.
+template <bool PAGED, int GROUP, int VECS>
 void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16* k,
                const bf16* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
                const int32_t* table, int64_t table_stride, int64_t block_size, int64_t b,
-               int64_t len, int64_t kvh0, int64_t kvh1, int64_t group, int64_t dim, float scale,
-               bf16* out, int64_t out_stride_b, int64_t out_stride_h) {
-  const int64_t vecs = dim / 32, span = kvh1 - kvh0, nrows = span * group;
+               int64_t len, int64_t kvh0, int64_t kvh1, float scale, bf16* out,
+               int64_t out_stride_b, int64_t out_stride_h) {
+  constexpr int64_t dim = 32 * VECS, lanes = 2 * VECS * 16;
+  constexpr int CV = dp_chunk_vecs<GROUP, VECS>();
+  const int64_t span = kvh1 - kvh0, nrows = span * GROUP;
   const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(bf16));
-  __m512i qv[kDpMaxGroup * 3][kDpMaxVecs];  // [row][chunk] bf16 pairs
-  __m512 acc[kDpMaxGroup * 3][2 * kDpMaxVecs];
-  float m[kDpMaxGroup * 3], l[kDpMaxGroup * 3];
-  alignas(64) uint16_t pb[kDpMaxGroup * 3][kDpBlock + 1];  // P of the block, bf16, + a zero
-  __m512 part[kDpTile];
-  __m512 scores[kDpBlock / kDpTile];
+  alignas(64) float acc[kMaxTaskRows][lanes];  // [row][vector 2c (lo) or 2c + 1 (hi)][16]
+  float m[kMaxTaskRows], l[kMaxTaskRows];
+  alignas(64) uint16_t pb[GROUP][kDpBlock + 1];  // P of the head's block, bf16, + a zero
   int64_t rows[kDpBlock], next_rows[kDpBlock];
   for (int64_t r = 0; r < nrows; ++r) {
-    const bf16* src = q + b * q_stride_b + (kvh0 * group + r) * q_stride_h;
-    for (int64_t c = 0; c < vecs; ++c) qv[r][c] = load_row_part(src + 32 * c);
-    for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_setzero_ps();
+    std::fill(acc[r], acc[r] + lanes, 0.0f);
     m[r] = -INFINITY;
     l[r] = 0.0f;
-    pb[r][kDpBlock] = 0;
+  }
+  for (int g = 0; g < GROUP; ++g) pb[g][kDpBlock] = 0;
+  for (int64_t j = 0; j < std::min(kDpBlock, len); ++j) {  // the first block: nothing fetched it
+    const int64_t row = row_of<PAGED>(b, j, starts, table, table_stride, block_size);
+    for (int64_t h = kvh0; h < kvh1; ++h) {
+      prefetch_row(k + row * stride_row + h * stride_head, head_bytes);
+      prefetch_row(v + row * stride_row + h * stride_head, head_bytes);
+    }
   }
   for (int64_t t0 = 0; t0 < len; t0 += kDpBlock) {
     const int64_t n = std::min(kDpBlock, len - t0), vecs_n = (n + kDpTile - 1) / kDpTile;
     for (int64_t j = 0; j < n; ++j) {
       rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
     }
+    // a partial tile reads the block's first row again (its scores are masked off)
+    for (int64_t j = n; j < vecs_n * kDpTile; ++j) rows[j] = rows[0];
     // the next block's rows, fetched a few lines per token pair of the value loop below (one
     // burst would wait for line-fill buffers instead of computing)
     const int64_t ahead = std::max<int64_t>(0, std::min(kDpBlock, len - t0 - kDpBlock));
@@ -228,26 +247,32 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
     }
     for (int64_t h = 0; h < span; ++h) {
       const int64_t off = (kvh0 + h) * stride_head;
-      for (int64_t g = 0; g < group; ++g) {  // scores, online softmax, P in bf16
-        const int64_t r = h * group + g;
+      float rescale[GROUP];
+      for (int g = 0; g < GROUP; ++g) {  // scores, online softmax, P in bf16
+        const int64_t r = h * GROUP + g;
+        const bf16* qr = q + b * q_stride_b + (kvh0 * GROUP + r) * q_stride_h;
+        __m512i qv[VECS];
+        for (int c = 0; c < VECS; ++c) qv[c] = load_row_part(qr + 32 * c);
+        __m512 scores[kDpBlock / kDpTile];
         __m512 block_max = _mm512_set1_ps(-INFINITY);
         for (int64_t u = 0; u < vecs_n; ++u) {  // 16 tokens' scores as one vector
           const int64_t j0 = u * kDpTile, nu = std::min(kDpTile, n - j0);
-          for (int64_t j = 0; j < nu; ++j) {
+          __m512 part[kDpTile];
+#pragma GCC unroll 16
+          for (int j = 0; j < kDpTile; ++j) {
             const bf16* kr = k + rows[j0 + j] * stride_row + off;
             __m512 s = _mm512_setzero_ps();
-            for (int64_t c = 0; c < vecs; ++c) {
-              s = _mm512_dpbf16_ps(s, (__m512bh)qv[r][c], (__m512bh)load_row_part(kr + 32 * c));
+            for (int c = 0; c < VECS; ++c) {
+              s = _mm512_dpbf16_ps(s, (__m512bh)qv[c], (__m512bh)load_row_part(kr + 32 * c));
             }
             part[j] = s;
           }
-          for (int64_t j = nu; j < kDpTile; ++j) part[j] = _mm512_setzero_ps();
           scores[u] = _mm512_mul_ps(vsum16(part), _mm512_set1_ps(scale));
           const __mmask16 live = static_cast<__mmask16>((1u << nu) - 1u);
           block_max = _mm512_mask_max_ps(block_max, live, block_max, scores[u]);
         }
         const float m_new = std::max(m[r], _mm512_reduce_max_ps(block_max));
-        const float rescale = std::exp(m[r] - m_new);  // 0 on the first block
+        rescale[g] = std::exp(m[r] - m_new);  // 0 on the first block
         __m512 sums = _mm512_setzero_ps();
         for (int64_t u = 0; u < vecs_n; ++u) {
           const int64_t nu = std::min(kDpTile, n - u * kDpTile);
@@ -255,60 +280,92 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
               static_cast<__mmask16>((1u << nu) - 1u),
               exp_nonpositive_v(_mm512_sub_ps(scores[u], _mm512_set1_ps(m_new))));
           sums = _mm512_add_ps(sums, p);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + u * kDpTile),
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[g] + u * kDpTile),
                               (__m256i)_mm512_cvtneps_pbh(p));
         }
-        l[r] = l[r] * rescale + _mm512_reduce_add_ps(sums);
+        l[r] = l[r] * rescale[g] + _mm512_reduce_add_ps(sums);
         m[r] = m_new;
-        if (rescale != 1.0f) {
-          const __m512 f = _mm512_set1_ps(rescale);
-          for (int64_t c = 0; c < 2 * vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], f);
-        }
       }
-      for (int64_t j = 0; j < n; j += 2) {  // values: token pairs as bf16 pairs
-        for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
-          const int64_t at = next_rows[i] * stride_row + (kvh0 + h) * stride_head;
-          for (int64_t o = 0; o < head_bytes; o += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(k + at) + o, 0, 1);
-            __builtin_prefetch(reinterpret_cast<const char*>(v + at) + o, 0, 1);
+      // values: token pairs as bf16 pairs, a chunk of CV vectors of every query head at a time
+      for (int cc = 0; cc < VECS; cc += CV) {
+        __m512 a[GROUP][2 * CV];
+        for (int g = 0; g < GROUP; ++g) {
+          const __m512 f = _mm512_set1_ps(rescale[g]);
+          for (int e = 0; e < 2 * CV; ++e) {
+            a[g][e] = _mm512_mul_ps(_mm512_load_ps(acc[h * GROUP + g] + (2 * cc + e) * 16), f);
           }
         }
-        const bf16* v0 = v + rows[j] * stride_row + off;
-        const bf16* v1 = j + 1 < n ? v + rows[j + 1] * stride_row + off : nullptr;
-        __m512i lo[kDpMaxVecs], hi[kDpMaxVecs];
-        for (int64_t c = 0; c < vecs; ++c) {
-          const __m512i a = load_row_part(v0 + 32 * c);
-          const __m512i z = v1 != nullptr ? load_row_part(v1 + 32 * c) : _mm512_setzero_si512();
-          lo[c] = _mm512_unpacklo_epi16(a, z);
-          hi[c] = _mm512_unpackhi_epi16(a, z);
+        for (int64_t j = 0; j < n; j += 2) {
+          if (cc == 0) {
+            for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
+              const int64_t at = next_rows[i] * stride_row + off;
+              for (int64_t o = 0; o < head_bytes; o += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(k + at) + o, 0, 1);
+                __builtin_prefetch(reinterpret_cast<const char*>(v + at) + o, 0, 1);
+              }
+            }
+          }
+          const bf16* v0 = v + rows[j] * stride_row + off + 32 * cc;
+          const bf16* v1 = j + 1 < n ? v + rows[j + 1] * stride_row + off + 32 * cc : nullptr;
+          __m512i lo[CV], hi[CV];
+          for (int c = 0; c < CV; ++c) {
+            const __m512i x = load_row_part(v0 + 32 * c);
+            const __m512i z = v1 != nullptr ? load_row_part(v1 + 32 * c) : _mm512_setzero_si512();
+            lo[c] = _mm512_unpacklo_epi16(x, z);
+            hi[c] = _mm512_unpackhi_epi16(x, z);
+          }
+          for (int g = 0; g < GROUP; ++g) {
+            uint32_t pair;  // P of tokens j, j + 1 (0 past n: stored zero)
+            std::memcpy(&pair, &pb[g][j], sizeof(pair));
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            for (int c = 0; c < CV; ++c) {
+              a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo[c], pp);
+              a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi[c], pp);
+            }
+          }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = h * group + g;
-          uint32_t pair;  // P of tokens j, j + 1 (0 past n: stored zero)
-          std::memcpy(&pair, &pb[r][j], sizeof(pair));
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int64_t c = 0; c < vecs; ++c) {
-            acc[r][2 * c] = _mm512_dpbf16_ps(acc[r][2 * c], (__m512bh)lo[c], pp);
-            acc[r][2 * c + 1] = _mm512_dpbf16_ps(acc[r][2 * c + 1], (__m512bh)hi[c], pp);
+        for (int g = 0; g < GROUP; ++g) {
+          for (int e = 0; e < 2 * CV; ++e) {
+            _mm512_store_ps(acc[h * GROUP + g] + (2 * cc + e) * 16, a[g][e]);
           }
         }
       }
     }
   }
   for (int64_t r = 0; r < nrows; ++r) {
-    bf16* o = out + b * out_stride_b + (kvh0 * group + r) * out_stride_h;
+    bf16* o = out + b * out_stride_b + (kvh0 * GROUP + r) * out_stride_h;
     const float inv = len > 0 ? 1.0f / l[r] : 0.0f;
-    alignas(64) float lanes[2][16];
-    for (int64_t c = 0; c < vecs; ++c) {
-      _mm512_store_ps(lanes[0], acc[r][2 * c]);
-      _mm512_store_ps(lanes[1], acc[r][2 * c + 1]);
+    for (int64_t c = 0; c < VECS; ++c) {
+      const float* lo = acc[r] + 2 * c * 16;
+      const float* hi = lo + 16;
       for (int64_t lane = 0; lane < 4; ++lane) {
         for (int64_t i = 0; i < 4; ++i) {
-          o[32 * c + 8 * lane + i] = float_to_bf16(lanes[0][4 * lane + i] * inv);
-          o[32 * c + 8 * lane + 4 + i] = float_to_bf16(lanes[1][4 * lane + i] * inv);
+          o[32 * c + 8 * lane + i] = float_to_bf16(lo[4 * lane + i] * inv);
+          o[32 * c + 8 * lane + 4 + i] = float_to_bf16(hi[4 * lane + i] * inv);
         }
       }
     }
+  }
+}
+
+template <bool PAGED>
+using DpKernel = decltype(&dp_attend<PAGED, 1, 1>);
+
+template <bool PAGED, int VECS, int... G>
+DpKernel<PAGED> dp_kernel_of_group(int64_t group, std::integer_sequence<int, G...>) {
+  DpKernel<PAGED> fn = nullptr;
+  ((group == G + 1 ? (fn = &dp_attend<PAGED, G + 1, VECS>) : fn), ...);
+  return fn;
+}
+
+// The compiled kernel for this GQA group and head_dim, or nullptr (use the widening loops).
+template <bool PAGED>
+DpKernel<PAGED> dp_kernel(int64_t group, int64_t dim) {
+  const auto groups = std::make_integer_sequence<int, kDpMaxGroup>{};
+  switch (dim) {
+    case 64: return dp_kernel_of_group<PAGED, 2>(group, groups);
+    case 128: return dp_kernel_of_group<PAGED, 4>(group, groups);
+    default: return nullptr;
   }
 }
 #endif
@@ -330,8 +387,11 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
 #else
   const int64_t threads = 1;
 #endif
-  const int64_t span = batch >= 4 * threads ? kv_heads : 1;
+  const int64_t span = batch >= 4 * threads && kv_heads * group <= kMaxTaskRows ? kv_heads : 1;
   const int64_t splits = kv_heads / span;
+#if defined(__AVX512BF16__)
+  const DpKernel<PAGED> dp = std::is_same_v<T, bf16> ? dp_kernel<PAGED>(group, dim) : nullptr;
+#endif
 #pragma omp parallel
   {
     std::vector<float> qs(static_cast<size_t>(heads * dim));     // [heads, dim], scaled
@@ -355,10 +415,10 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
       }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16>) {
-        if (dim % 32 == 0 && dim / 32 <= kDpMaxVecs && span * group <= 3 * kDpMaxGroup) {
-          dp_attend<PAGED>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
-                           table, table_stride, block_size, b, len, kvh0, kvh1, group, dim,
-                           scale, out, out_stride_b, out_stride_h);
+        if (dp != nullptr) {
+          dp(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, table,
+             table_stride, block_size, b, len, kvh0, kvh1, scale, out, out_stride_b,
+             out_stride_h);
           continue;
         }
       }
