@@ -10,7 +10,8 @@
 // (widened on load, float32 arithmetic, rounded on store: cpu_vec.h).
 //
 // Built by vmkv/kernels/cpu_attention.py with g++ -O3 -march=native -fopenmp into a cached shared
-// library and called through ctypes: no torch headers, so it compiles in about a second. Where
+// library and called through ctypes: no torch headers (about 8 s to build on a 2-core EPYC, most
+// of it the bf16 decode kernels compiled per GQA group and head_dim, below). Where
 // the CPU has AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) the inner loops are intrinsics,
 // written once over the small vector layer of cpu_vec.h (scores as one FMA chain per row, the tile's
 // exponentials a vector at a time, accumulators held in registers across a tile: the compiler
@@ -204,8 +205,10 @@ inline __m512i load_row_part(const bf16* p) { return _mm512_loadu_si512(p); }
 // in place, online softmax in float32, values accumulated as bf16 pairs into float32 lanes whose
 // dims are interleaved (unpacklo/hi of two V rows: lane 4L + k of chunk c is dim 32c + 8L + k,
 // or + 4 for the high half), undone at the store. (kvh1 - kvh0) * GROUP <= kMaxTaskRows.
-template <bool PAGED, int GROUP, int VECS>
-void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16* k,
+// The KV mode is an argument, not a template parameter: it only picks how a block's 64 row
+// numbers are computed, and half the instantiations cut the library's build by ~4 s.
+template <int GROUP, int VECS>
+void dp_attend(bool paged, const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16* k,
                const bf16* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
                const int32_t* table, int64_t table_stride, int64_t block_size, int64_t b,
                int64_t len, int64_t kvh0, int64_t kvh1, float scale, bf16* out,
@@ -224,8 +227,12 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
     l[r] = 0.0f;
   }
   for (int g = 0; g < GROUP; ++g) pb[g][kDpBlock] = 0;
+  const auto row_at = [&](int64_t t) {
+    return paged ? row_of<true>(b, t, starts, table, table_stride, block_size)
+                 : row_of<false>(b, t, starts, table, table_stride, block_size);
+  };
   for (int64_t j = 0; j < std::min(kDpBlock, len); ++j) {  // the first block: nothing fetched it
-    const int64_t row = row_of<PAGED>(b, j, starts, table, table_stride, block_size);
+    const int64_t row = row_at(j);
     for (int64_t h = kvh0; h < kvh1; ++h) {
       prefetch_row(k + row * stride_row + h * stride_head, head_bytes);
       prefetch_row(v + row * stride_row + h * stride_head, head_bytes);
@@ -234,7 +241,7 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
   for (int64_t t0 = 0; t0 < len; t0 += kDpBlock) {
     const int64_t n = std::min(kDpBlock, len - t0), vecs_n = (n + kDpTile - 1) / kDpTile;
     for (int64_t j = 0; j < n; ++j) {
-      rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
+      rows[j] = row_at(t0 + j);
     }
     // a partial tile reads the block's first row again (its scores are masked off)
     for (int64_t j = n; j < vecs_n * kDpTile; ++j) rows[j] = rows[0];
@@ -242,8 +249,7 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
     // burst would wait for line-fill buffers instead of computing)
     const int64_t ahead = std::max<int64_t>(0, std::min(kDpBlock, len - t0 - kDpBlock));
     for (int64_t j = 0; j < ahead; ++j) {
-      next_rows[j] = row_of<PAGED>(b, t0 + kDpBlock + j, starts, table, table_stride,
-                                   block_size);
+      next_rows[j] = row_at(t0 + kDpBlock + j);
     }
     for (int64_t h = 0; h < span; ++h) {
       const int64_t off = (kvh0 + h) * stride_head;
@@ -348,23 +354,21 @@ void dp_attend(const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16
   }
 }
 
-template <bool PAGED>
-using DpKernel = decltype(&dp_attend<PAGED, 1, 1>);
+using DpKernel = decltype(&dp_attend<1, 1>);
 
-template <bool PAGED, int VECS, int... G>
-DpKernel<PAGED> dp_kernel_of_group(int64_t group, std::integer_sequence<int, G...>) {
-  DpKernel<PAGED> fn = nullptr;
-  ((group == G + 1 ? (fn = &dp_attend<PAGED, G + 1, VECS>) : fn), ...);
+template <int VECS, int... G>
+DpKernel dp_kernel_of_group(int64_t group, std::integer_sequence<int, G...>) {
+  DpKernel fn = nullptr;
+  ((group == G + 1 ? (fn = &dp_attend<G + 1, VECS>) : fn), ...);
   return fn;
 }
 
 // The compiled kernel for this GQA group and head_dim, or nullptr (use the widening loops).
-template <bool PAGED>
-DpKernel<PAGED> dp_kernel(int64_t group, int64_t dim) {
+DpKernel dp_kernel(int64_t group, int64_t dim) {
   const auto groups = std::make_integer_sequence<int, kDpMaxGroup>{};
   switch (dim) {
-    case 64: return dp_kernel_of_group<PAGED, 2>(group, groups);
-    case 128: return dp_kernel_of_group<PAGED, 4>(group, groups);
+    case 64: return dp_kernel_of_group<2>(group, groups);
+    case 128: return dp_kernel_of_group<4>(group, groups);
     default: return nullptr;
   }
 }
@@ -390,7 +394,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
   const int64_t span = batch >= 4 * threads && kv_heads * group <= kMaxTaskRows ? kv_heads : 1;
   const int64_t splits = kv_heads / span;
 #if defined(__AVX512BF16__)
-  const DpKernel<PAGED> dp = std::is_same_v<T, bf16> ? dp_kernel<PAGED>(group, dim) : nullptr;
+  const DpKernel dp = std::is_same_v<T, bf16> ? dp_kernel(group, dim) : nullptr;
 #endif
 #pragma omp parallel
   {
@@ -416,7 +420,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16>) {
         if (dp != nullptr) {
-          dp(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, table,
+          dp(PAGED, q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, table,
              table_stride, block_size, b, len, kvh0, kvh1, scale, out, out_stride_b,
              out_stride_h);
           continue;

@@ -2,8 +2,11 @@
 its request is aborted when the client goes (the real openai client, on 127.0.0.1).
 
 Before outputs were deltas, every step queued a copy of each sample's whole text and tokens
-for a client that no longer read them: one ``n=8, max_tokens=4096`` stream grew the server by
-305 MiB in 60 s. Now a stream merges what its reader has not taken into one pending delta.
+for a client that no longer read them. That only begins once the kernel's socket buffers are
+full (up to ~4 MiB of SSE chunks on loopback), so the stream is wide (n=16) and its chunks big
+(20 top logprobs per token): the buffers fill within ~300 tokens. Measured on a 2-core EPYC, heap
+growth at 700 tokens per sample: 103.5 MiB before deltas (4dea21a~1), 27.5 MiB after. Now a
+stream merges what its reader has not taken into one pending delta.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from vmkv.bench.launch import LaunchedServer
 
 pytestmark = pytest.mark.usefixtures("default_model")
-N, MAX_TOKENS = 8, 4096
-STALLED_TOKENS = 1500  # per sample, generated while the client reads nothing
-MAX_GROWTH = 64 << 20
+N, MAX_TOKENS = 16, 4096
+STALLED_TOKENS = 700  # per sample, generated while the client reads nothing
+MAX_GROWTH = 56 << 20
+FULL_SEND_QUEUE = 1 << 20  # the server's socket holds at least this much unread data
 
 
 def heap_bytes(pid: int) -> int:
@@ -33,6 +37,15 @@ def heap_bytes(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no RssAnon in /proc/<pid>/status")
+
+
+def send_queue_bytes(port: int) -> int:
+    """Bytes queued in the kernel for the client on the server's listening port (the largest
+    ``tx_queue`` of a socket bound to it in /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    return max((int(row[4].split(":")[0], 16) for row in rows
+                if int(row[1].split(":")[1], 16) == port), default=0)
 
 
 def engine_numbers(url: str) -> dict[str, float]:
@@ -64,8 +77,8 @@ def test_a_stalled_stream_costs_little_memory_and_is_aborted_when_its_client_goe
                                timeout=900)
         stream = client.completions.create(
             model="smol", prompt="Tell me a very long story about a dragon:", n=N,
-            max_tokens=MAX_TOKENS, stream=True, seed=0, logprobs=5,  # big chunks: the socket
-            extra_body={"ignore_eos": True})  # buffers (~4 MiB) fill within a few hundred steps
+            max_tokens=MAX_TOKENS, stream=True, seed=0, logprobs=20,  # big chunks: the socket
+            extra_body={"ignore_eos": True})  # buffers (~4 MiB) fill within ~300 steps
         chunks = iter(stream)
         for _ in range(2 * N):  # it streams...
             assert next(chunks).choices
@@ -74,6 +87,8 @@ def test_a_stalled_stream_costs_little_memory_and_is_aborted_when_its_client_goe
         stalled = wait_for(url, f"{STALLED_TOKENS} tokens per sample", lambda m: m[
             "vmkv:generation_tokens_total"] >= N * STALLED_TOKENS)
         grown = heap_bytes(srv.proc.pid) - before
+        # the server could write no more: otherwise the heap had nothing to hold
+        assert send_queue_bytes(srv.port) >= FULL_SEND_QUEUE
         stream.close()  # the client goes
         after = wait_for(url, "the request ended", lambda m: m["vmkv:num_requests_running"] == 0)
         assert after["vmkv:request_success_total{abort}"] == N  # every sample aborted ...

@@ -6,7 +6,7 @@ One call per layer covers every decoding request (:func:`decode`), and one every
 t % bs``). The same loops run in both modes, so they produce bit-identical outputs on the same
 data. float32 or bfloat16 tensors (q, K/V and out alike; float32 arithmetic either way).
 
-The library builds once with ``g++ -O3 -fopenmp`` (about a second; cached, see
+The library builds once with ``g++ -O3 -fopenmp`` (about 8 s on a 2-core EPYC; cached, see
 :mod:`vmkv.kernels.build`). Where it cannot be built (no compiler, a compile error)
 :func:`available` is False, one warning says why, and the attention backends fall back to
 :data:`FALLBACK`.

@@ -4,7 +4,7 @@ one that did not build: read by the engine's start-up report and the server's ``
     status()  {"attention": "compiled", "argmax": "compiled",
                "decoder_layers": "not built: the decoder layers run as torch modules"}
 
-Asking builds each library on its first use (cached on disk: about a second each the first
+Asking builds each library on its first use (cached on disk: 1-8 s each the first
 time on a machine, nothing afterwards); a library that cannot be built has already said why in
 one warning line (:func:`vmkv.kernels.build.load_cpu_library`).
 """
