@@ -52,7 +52,15 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, float* acc,
                              int64_t dim) {
   float tile_max = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, pr[j]);
+  int64_t j = 0;
+#if defined(__AVX512F__)  // whole vectors at once (exact: max does not round)
+  if (visible >= kLanes) {
+    vfloat vm = vload(pr);
+    for (j = kLanes; j + kLanes <= visible; j += kLanes) vm = vmax(vm, vload(pr + j));
+    tile_max = _mm512_reduce_max_ps(vm);
+  }
+#endif
+  for (; j < visible; ++j) tile_max = std::max(tile_max, pr[j]);
   const float m_new = std::max(m, tile_max);
   const float rescale = std::exp(m - m_new);  // exp(-inf) = 0 on the first tile
   float tile_sum = 0.0f;
