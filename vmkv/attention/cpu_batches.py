@@ -80,11 +80,10 @@ def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int
         rows=Rows.of(addr, np.asarray(idx)))
 
 
-def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[int],
-                  max_query: int) -> PrefillBatch | None:
-    """The chunks of 2 .. ``max_query`` tokens, addressed for the kernel; None when there are
-    none."""
-    idx = [i for i, n in enumerate(query_lens) if 1 < n <= max_query]
+def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
+                  ) -> PrefillBatch | None:
+    """The chunks of 2 tokens or more, addressed for the kernel; None when there are none."""
+    idx = [i for i, n in enumerate(query_lens) if n > 1]
     if not idx:
         return None
     offsets = np.cumsum([0, *query_lens[:-1]])
