@@ -134,32 +134,67 @@ inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* co
   }
 }
 
+#if defined(VMKV_VECTOR)
+// Rows handled together (a prefill task's, a decode task's GQA group), so that each key or
+// value vector loaded feeds R rows' FMAs: one load per R FMAs instead of about one per FMA, which
+// made prefill load-bound (a third of the GEMM rate on a Zen 4 EPYC). R x (accumulator vectors)
+// stays within the registers: 16 of AVX-512's 32, 8 of AVX2's 16. Each output element's FMA
+// chain keeps its order, so the results are bit-identical to one row at a time.
+constexpr int64_t kAccVecs = kLanes == 16 ? 16 : 8;
+constexpr int64_t kValueChains = 4;                      // value vectors per row and d chunk
+constexpr int64_t kValueRows = kAccVecs / kValueChains;  // rows per value block
+
+// acc_r[d .. d + kValueChains * kLanes) += sum_j p[r * kTile + j] * v_j for rows r0 .. r0 + R.
+template <int R, typename T>
+inline void value_rows(const float* p, int64_t r0, int64_t d, int64_t dim, const T* const* vrow,
+                       int64_t n, float* acc) {
+  vfloat av[R][kValueChains];
+  for (int i = 0; i < R; ++i) {
+    float* a = acc + (r0 + i) * dim + d;
+    for (int64_t c = 0; c < kValueChains; ++c) av[i][c] = vload(a + c * kLanes);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    vfloat vj[kValueChains];
+    for (int64_t c = 0; c < kValueChains; ++c) vj[c] = vload(vrow[j] + d + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const vfloat pj = vset1(p[(r0 + i) * kTile + j]);
+      for (int64_t c = 0; c < kValueChains; ++c) av[i][c] = vfmadd(pj, vj[c], av[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float* a = acc + (r0 + i) * dim + d;
+    for (int64_t c = 0; c < kValueChains; ++c) vstore(a + c * kLanes, av[i][c]);
+  }
+}
+
+// Rows [0, nrows) of value_rows above and prefill's score_rows: blocks of R, then one at a time.
+template <int R, typename F>
+inline void in_row_blocks(int64_t nrows, F&& block) {
+  int64_t r = 0;
+  for (; r + R <= nrows; r += R) block(std::integral_constant<int, R>{}, r);
+  for (; r < nrows; ++r) block(std::integral_constant<int, 1>{}, r);
+}
+#endif
+
 // acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n.
 template <typename T>
 inline void tile_values(const float* p, int64_t group, int64_t dim, const T* const* vrow,
                         int64_t n, float* acc) {
 #if defined(VMKV_VECTOR)
-  if (dim % kLanes == 0) {  // pieces of acc stay in registers across the tile, 4 chains at once
-    constexpr int64_t kChains = 4;
-    for (int64_t r = 0; r < group; ++r) {
-      const float* pr = p + r * kTile;
-      int64_t d = 0;
-      for (; d + kChains * kLanes <= dim; d += kChains * kLanes) {
-        float* a = acc + r * dim + d;
-        vfloat av[kChains];
-        for (int64_t c = 0; c < kChains; ++c) av[c] = vload(a + c * kLanes);
-        for (int64_t j = 0; j < n; ++j) {
-          const vfloat pj = vset1(pr[j]);
-          for (int64_t c = 0; c < kChains; ++c) {
-            av[c] = vfmadd(pj, vload(vrow[j] + d + c * kLanes), av[c]);
-          }
-        }
-        for (int64_t c = 0; c < kChains; ++c) vstore(a + c * kLanes, av[c]);
-      }
-      for (; d < dim; d += kLanes) {
+  if (dim % kLanes == 0) {  // pieces of acc in registers across the tile, rows in blocks
+    int64_t d = 0;
+    for (; d + kValueChains * kLanes <= dim; d += kValueChains * kLanes) {
+      in_row_blocks<kValueRows>(group, [&](auto rows_, int64_t r0) {
+        value_rows<decltype(rows_)::value>(p, r0, d, dim, vrow, n, acc);
+      });
+    }
+    for (; d < dim; d += kLanes) {
+      for (int64_t r = 0; r < group; ++r) {
         float* a = acc + r * dim + d;
         vfloat av = vload(a);
-        for (int64_t j = 0; j < n; ++j) av = vfmadd(vset1(pr[j]), vload(vrow[j] + d), av);
+        for (int64_t j = 0; j < n; ++j) {
+          av = vfmadd(vset1(p[r * kTile + j]), vload(vrow[j] + d), av);
+        }
         vstore(a, av);
       }
     }
@@ -492,19 +527,12 @@ constexpr int64_t kQTile = 16;  // query tokens per task
 
 constexpr int64_t kKTile = kTile;  // key tokens per tile (tile_values' p layout)
 
-#if defined(VMKV_VECTOR)
-// Rows of a prefill task handled together, so that each key or value vector loaded feeds R rows'
-// FMAs (one load per R FMAs instead of about one per FMA, which made the loops load-bound:
-// 3.3x the GEMM rate on a Zen 4 EPYC). R x (accumulator vectors) stays within the registers:
-// 16 of AVX-512's 32, 8 of AVX2's 16. Each output element's FMA chain keeps its order, so the
-// results are bit-identical to one row at a time.
-constexpr int64_t kAccVecs = kLanes == 16 ? 16 : 8;
-constexpr int64_t kScoreVecs = kKTile / kLanes;          // score vectors per row of a tile
-constexpr int64_t kScoreRows = kAccVecs / kScoreVecs;    // rows per score block
-constexpr int64_t kValueChains = 4;                      // value vectors per row and d chunk
-constexpr int64_t kValueRows = kAccVecs / kValueChains;  // rows per value block
 
-// s[r * kKTile + j] = q_r . k_j for rows r0 .. r0 + R, the key tile transposed in kt [dim, kKTile].
+#if defined(VMKV_VECTOR)
+constexpr int64_t kScoreVecs = kTile / kLanes;        // score vectors per row of a tile
+constexpr int64_t kScoreRows = kAccVecs / kScoreVecs;  // rows per score block
+
+// s[r * kTile + j] = q_r . k_j for rows r0 .. r0 + R, the key tile transposed in kt [dim, kTile].
 template <int R>
 inline void score_rows(const float* qs, int64_t r0, int64_t dim, const float* kt, float* s) {
   vfloat sv[R][kScoreVecs];
@@ -513,45 +541,17 @@ inline void score_rows(const float* qs, int64_t r0, int64_t dim, const float* kt
   }
   for (int64_t d = 0; d < dim; ++d) {
     vfloat kd[kScoreVecs];
-    for (int64_t c = 0; c < kScoreVecs; ++c) kd[c] = vload(kt + d * kKTile + c * kLanes);
+    for (int64_t c = 0; c < kScoreVecs; ++c) kd[c] = vload(kt + d * kTile + c * kLanes);
     for (int i = 0; i < R; ++i) {
       const vfloat qd = vset1(qs[(r0 + i) * dim + d]);
       for (int64_t c = 0; c < kScoreVecs; ++c) sv[i][c] = vfmadd(qd, kd[c], sv[i][c]);
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int64_t c = 0; c < kScoreVecs; ++c) vstore(s + (r0 + i) * kKTile + c * kLanes, sv[i][c]);
+    for (int64_t c = 0; c < kScoreVecs; ++c) vstore(s + (r0 + i) * kTile + c * kLanes, sv[i][c]);
   }
 }
 
-// acc_r[d .. d + kValueChains * kLanes) += sum_j p[r * kTile + j] * v_j for rows r0 .. r0 + R.
-template <int R, typename T>
-inline void value_rows(const float* p, int64_t r0, int64_t d, int64_t dim, const T* const* vrow,
-                       int64_t n, float* acc) {
-  vfloat av[R][kValueChains];
-  for (int i = 0; i < R; ++i) {
-    for (int64_t c = 0; c < kValueChains; ++c) av[i][c] = vload(acc + (r0 + i) * dim + d + c * kLanes);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    vfloat vj[kValueChains];
-    for (int64_t c = 0; c < kValueChains; ++c) vj[c] = vload(vrow[j] + d + c * kLanes);
-    for (int i = 0; i < R; ++i) {
-      const vfloat pj = vset1(p[(r0 + i) * kTile + j]);
-      for (int64_t c = 0; c < kValueChains; ++c) av[i][c] = vfmadd(pj, vj[c], av[i][c]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    for (int64_t c = 0; c < kValueChains; ++c) vstore(acc + (r0 + i) * dim + d + c * kLanes, av[i][c]);
-  }
-}
-
-// Rows [0, nrows) of both loops above, in blocks of R and a tail one row at a time.
-template <int R, typename F>
-inline void in_row_blocks(int64_t nrows, F&& block) {
-  int64_t r = 0;
-  for (; r + R <= nrows; r += R) block(std::integral_constant<int, R>{}, r);
-  for (; r < nrows; ++r) block(std::integral_constant<int, 1>{}, r);
-}
 #endif
 
 template <typename T, bool PAGED>
@@ -630,17 +630,6 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
           softmax_tile_row(sr, visible, m[r], l[r], acc.data() + r * dim, dim);
         }
         for (int64_t j = 0; j < nk; ++j) vrow[j] = v + rows[j] * stride_row + kvh * stride_head;
-#if defined(VMKV_VECTOR)
-        if (dim % (kValueChains * kLanes) == 0) {  // acc += P V
-          for (int64_t d = 0; d < dim; d += kValueChains * kLanes) {
-            in_row_blocks<kValueRows>(nrows, [&](auto rows_, int64_t r0) {
-              value_rows<decltype(rows_)::value>(s.data(), r0, d, dim, vrow.data(), nk,
-                                                  acc.data());
-            });
-          }
-          continue;
-        }
-#endif
         tile_values(s.data(), nrows, dim, vrow.data(), nk, acc.data());  // acc += P V
       }
       for (int64_t r = 0; r < nrows; ++r) {
