@@ -552,8 +552,12 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * scale;
       }
-      // the task's heads of a row: from head kvh0's first element to head kvh1 - 1's last
-      const int64_t span_bytes = ((kvh1 - kvh0 - 1) * stride_head + dim) * sizeof(T);
+      // the task's heads of a row as one run (heads inside the row, as the engine lays them
+      // out: from head kvh0's first element to head kvh1 - 1's last), else head by head
+      const int64_t run = (kvh1 - kvh0 - 1) * stride_head + dim;
+      const bool one_run = stride_head >= dim && run <= stride_row;
+      const int64_t run_bytes = (one_run ? run : dim) * static_cast<int64_t>(sizeof(T));
+      const int64_t runs = one_run ? 1 : kvh1 - kvh0;
       std::fill(acc.begin() + kvh0 * group * dim, acc.begin() + kvh1 * group * dim, 0.0f);
       std::fill(m.begin() + kvh0 * group, m.begin() + kvh1 * group, -INFINITY);
       std::fill(sum.begin() + kvh0 * group, sum.begin() + kvh1 * group, 0.0f);
@@ -573,12 +577,16 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
         for (int64_t j = t0 + kTile; j < std::min(len, t0 + 2 * kTile); ++j) {
           const int64_t at = row_of<PAGED>(b, j, starts, table, table_stride, block_size) *
                              stride_row + kvh0 * stride_head;
-          prefetch_row<1>(k + at, span_bytes);
-          prefetch_row<1>(v + at, span_bytes);
+          for (int64_t i = 0; i < runs; ++i) {
+            prefetch_row<1>(k + at + i * stride_head, run_bytes);
+            prefetch_row<1>(v + at + i * stride_head, run_bytes);
+          }
         }
         for (const T* base : {k, v}) {
           for (int64_t j = 0; j < n; ++j) {
-            read_lines(base + rows[j] * stride_row + kvh0 * stride_head, span_bytes);
+            for (int64_t i = 0; i < runs; ++i) {
+              read_lines(base + rows[j] * stride_row + (kvh0 + i) * stride_head, run_bytes);
+            }
           }
         }
         for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
