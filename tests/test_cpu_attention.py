@@ -230,12 +230,12 @@ _CHILD = textwrap.dedent(
     from vmkv.kv import KVSpec, VirtualKVCache
     from vmkv.memory import PagePool
     from vmkv.memory.host import HostMemoryBackend
-    kind = sys.argv[2]
+    kind, kv_heads, dim = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dtype = torch.bfloat16 if kind == "amx-prefill" else torch.float32
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=dtype)
+    spec = KVSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)
     n = 65536 // spec.bytes_per_token  # tokens per 64 KiB page: 32 float32, 64 bfloat16
     kv = VirtualKVCache(spec, pool=PagePool(HostMemoryBackend(65536, 8), 8), num_slots=2,
-                        max_model_len=256)
+                        max_model_len=max(256, 4 * n))
     kv.allocate("a", n)  # exactly one page mapped in each slot
     kv.allocate("b", n)
     k, v = kv.layer_kv(1)
@@ -245,8 +245,8 @@ _CHILD = textwrap.dedent(
         v[kv.slot(rid), :n] = 2.0
     lens = torch.tensor([n, n + int(sys.argv[1])], dtype=torch.int32)
     if kind == "decode":
-        out = cpu_attention.decode(torch.ones(2, 4, 64), k.flatten(0, 1), v.flatten(0, 1),
-                                   lens, 0.125, starts=starts)
+        out = cpu_attention.decode(torch.ones(2, 2 * kv_heads, dim), k.flatten(0, 1),
+                                   v.flatten(0, 1), lens, 0.125, starts=starts)
     else:  # two chunks of 20 new tokens: the last query of b sees its last row
         prefill = amx_prefill.prefill if kind == "amx-prefill" else cpu_attention.prefill
         out = torch.empty(40, 4 * 64, dtype=dtype)
@@ -257,13 +257,19 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill", "amx-prefill"])
+#: (kind, KV heads, head_dim); decode also with 32-byte rows, shorter than the cache lines its
+#: whole-row reads load (the last one must stay inside the row)
+READERS = [("decode", 2, 64), ("decode", 1, 8), ("prefill", 2, 64), ("amx-prefill", 2, 64)]
+
+
+@pytest.mark.parametrize(("kind", "kv_heads", "dim"), READERS)
 @pytest.mark.parametrize(("extra", "returncode"), [(0, 0), (1, -11)])
-def test_the_kernel_reads_only_mapped_tokens(extra: int, returncode: int, kind: str) -> None:
+def test_the_kernel_reads_only_mapped_tokens(extra: int, returncode: int, kind: str,
+                                             kv_heads: int, dim: int) -> None:
     if kind == "amx-prefill":
         require_bf16_kernels()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(extra), kind], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(extra), kind, str(kv_heads),
+                           str(dim)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == returncode, proc.stderr
     if returncode == 0:
         assert float(proc.stdout) == 2.0
