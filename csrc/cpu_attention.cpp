@@ -623,7 +623,6 @@ constexpr int64_t kQTile = 16;  // query tokens per task
 
 constexpr int64_t kKTile = kTile;  // key tokens per tile (tile_values' p layout)
 
-
 #if defined(VMKV_VECTOR)
 constexpr int64_t kScoreVecs = kTile / kLanes;        // score vectors per row of a tile
 constexpr int64_t kScoreRows = kAccVecs / kScoreVecs;  // rows per score block
