@@ -41,11 +41,10 @@ using namespace vmkv;
 constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
 constexpr int64_t kMaxTaskRows = 48;  // query heads of one decode task (its KV heads x group)
 
-// Every cache line of [row, row + bytes) fetched: into L1 (LOCALITY 3) or L2 (1).
-template <int LOCALITY = 3>
+// Every cache line of [row, row + bytes) fetched into L1.
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 // Every cache line of [row, row + bytes) read, in address order: a demand stream, which the
@@ -72,6 +71,44 @@ inline void read_lines(const void* row, int64_t bytes) {
   const char last = p[bytes - 1];  // the last (partial) line: nothing past the row is read
   asm volatile("" : : "r"(last));
 }
+
+// The next tile's rows fetched into L2 a few cache lines at a time, one step() per iteration of
+// the tile's score and value loops, so that memory streams while the arithmetic runs. Fetched
+// in one burst before the tile, the lines came in while the core waited for line-fill buffers,
+// as demand reads do (kernel alone, 64 x 300 tokens x 30 float32 layers out of cache, 2-core
+// Zen 4: virtual 49-53 -> 37-39 ms, paged 52-57 -> 44-47; the tile's rows read whole alone
+// take 35). kLinesPerStep spreads a float32 tile of 3 KV heads of dim 64 (768 lines) over its
+// 192 steps; other shapes finish early or leave a rest to finish(). A rate counted or computed
+// per tile cost 3-8 % in the loops.
+class TilePrefetch {
+ public:
+  static constexpr int kLinesPerStep = 4;
+
+  // A new tile: rows of `row_bytes` each are add()ed next.
+  void start(int64_t row_bytes) {
+    row_bytes_ = row_bytes;
+    nrows_ = row_ = off_ = 0;
+  }
+  void add(const void* row) { rows_[nrows_++] = static_cast<const char*>(row); }
+  inline void step() {
+    for (int i = 0; i < kLinesPerStep && row_ < nrows_; ++i) next();
+  }
+  void finish() {
+    while (row_ < nrows_) next();
+  }
+
+ private:
+  inline void next() {
+    __builtin_prefetch(rows_[row_] + off_, 0, 1);
+    off_ += 64;
+    if (off_ >= row_bytes_) {
+      off_ = 0;
+      ++row_;
+    }
+  }
+  const char* rows_[2 * kTile * kMaxTaskRows];  // K and V rows of up to every head, head by head
+  int64_t nrows_ = 0, row_ = 0, off_ = 0, row_bytes_ = 0;
+};
 
 // Rows [r, nrows) of the row-blocked loops below (scores, values): blocks of R, then the rest
 // (fewer than R) as one block: a GQA group of 3 is one block, not three single rows.
@@ -133,7 +170,7 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
 // chain and reduction, so the scores are bit-identical.
 template <int R, int DV, typename T>
 inline void score_rows_held(const float* qs, int64_t r0, const T* const* krow, int64_t n,
-                            float* p) {
+                            float* p, TilePrefetch* next) {
   constexpr int64_t dim = DV * kLanes;
   vfloat qv[R][DV];
   for (int i = 0; i < R; ++i) {
@@ -141,6 +178,7 @@ inline void score_rows_held(const float* qs, int64_t r0, const T* const* krow, i
   }
   vfloat part[R][kTile];
   for (int64_t j = 0; j < n; ++j) {
+    if (next != nullptr) next->step();
     const T* kr = krow[j];
     vfloat s[R];
     const vfloat k0 = vload(kr);
@@ -160,20 +198,21 @@ inline void score_rows_held(const float* qs, int64_t r0, const T* const* krow, i
 }
 #endif
 
-// Scores of a tile: p[r * kTile + j] = q_r . k_j for the group's rows r and tokens j < n.
+// Scores of a tile: p[r * kTile + j] = q_r . k_j for the group's rows r and tokens j < n;
+// `next` (decode's next tile, or none) steps once per token of each vector loop.
 template <typename T>
 inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* const* krow,
-                        int64_t n, float* p) {
+                        int64_t n, float* p, TilePrefetch* next = nullptr) {
 #if defined(__AVX512F__)
   if (dim == 4 * kLanes) {  // head_dim 64: up to 4 rows' q (16 registers) held
     in_row_blocks<4>(group, [&](auto rows_, int64_t r0) {
-      score_rows_held<decltype(rows_)::value, 4>(qs, r0, krow, n, p);
+      score_rows_held<decltype(rows_)::value, 4>(qs, r0, krow, n, p, next);
     });
     return;
   }
   if (dim == 8 * kLanes) {  // head_dim 128: up to 3 rows' q (24 registers) held
     in_row_blocks<3>(group, [&](auto rows_, int64_t r0) {
-      score_rows_held<decltype(rows_)::value, 8>(qs, r0, krow, n, p);
+      score_rows_held<decltype(rows_)::value, 8>(qs, r0, krow, n, p, next);
     });
     return;
   }
@@ -182,6 +221,7 @@ inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* co
     for (int64_t r = 0; r < group; ++r) {
       const float* qr = qs + r * dim;
       for (int64_t j = 0; j < n; ++j) {
+        if (next != nullptr) next->step();
         const T* kr = krow[j];
         vfloat s = vmul(vload(qr), vload(kr));
         for (int64_t d = kLanes; d < dim; d += kLanes) s = vfmadd(vload(qr + d), vload(kr + d), s);
@@ -195,6 +235,7 @@ inline void tile_scores(const float* qs, int64_t group, int64_t dim, const T* co
 #elif defined(VMKV_VECTOR)
   if (dim % kLanes == 0) {  // one FMA chain per (row, token), one reduction at the end
     for (int64_t j = 0; j < n; ++j) {
+      if (next != nullptr) next->step();
       const T* kr = krow[j];
       for (int64_t r = 0; r < group; ++r) {
         const float* qr = qs + r * dim;
@@ -230,13 +271,14 @@ constexpr int64_t kValueRows = kAccVecs / kValueChains;  // rows per value block
 // acc_r[d .. d + kValueChains * kLanes) += sum_j p[r * kTile + j] * v_j for rows r0 .. r0 + R.
 template <int R, typename T>
 inline void value_rows(const float* p, int64_t r0, int64_t d, int64_t dim, const T* const* vrow,
-                       int64_t n, float* acc) {
+                       int64_t n, float* acc, TilePrefetch* next) {
   vfloat av[R][kValueChains];
   for (int i = 0; i < R; ++i) {
     float* a = acc + (r0 + i) * dim + d;
     for (int64_t c = 0; c < kValueChains; ++c) av[i][c] = vload(a + c * kLanes);
   }
   for (int64_t j = 0; j < n; ++j) {
+    if (next != nullptr) next->step();
     vfloat vj[kValueChains];
     for (int64_t c = 0; c < kValueChains; ++c) vj[c] = vload(vrow[j] + d + c * kLanes);
     for (int i = 0; i < R; ++i) {
@@ -252,16 +294,17 @@ inline void value_rows(const float* p, int64_t r0, int64_t d, int64_t dim, const
 
 #endif
 
-// acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n.
+// acc_r += sum_j p[r * kTile + j] * v_j for the group's rows r and tokens j < n; `next` as in
+// tile_scores.
 template <typename T>
 inline void tile_values(const float* p, int64_t group, int64_t dim, const T* const* vrow,
-                        int64_t n, float* acc) {
+                        int64_t n, float* acc, TilePrefetch* next = nullptr) {
 #if defined(VMKV_VECTOR)
   if (dim % kLanes == 0) {  // pieces of acc in registers across the tile, rows in blocks
     int64_t d = 0;
     for (; d + kValueChains * kLanes <= dim; d += kValueChains * kLanes) {
       in_row_blocks<kValueRows>(group, [&](auto rows_, int64_t r0) {
-        value_rows<decltype(rows_)::value>(p, r0, d, dim, vrow, n, acc);
+        value_rows<decltype(rows_)::value>(p, r0, d, dim, vrow, n, acc, next);
       });
     }
     for (; d < dim; d += kLanes) {
@@ -523,6 +566,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
     std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
     std::vector<int64_t> rows(static_cast<size_t>(kTile));
     std::vector<const T*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
+    TilePrefetch next;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * splits; ++task) {
       const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
@@ -572,20 +616,23 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
         for (int64_t j = 0; j < n; ++j) {
           rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
         }
-        // the next tile's rows into L2 (a paged tile's blocks are scattered: no hardware
-        // prefetcher follows them), then this tile's rows read in address order
-        for (int64_t j = t0 + kTile; j < std::min(len, t0 + 2 * kTile); ++j) {
-          const int64_t at = row_of<PAGED>(b, j, starts, table, table_stride, block_size) *
-                             stride_row + kvh0 * stride_head;
-          for (int64_t i = 0; i < runs; ++i) {
-            prefetch_row<1>(k + at + i * stride_head, run_bytes);
-            prefetch_row<1>(v + at + i * stride_head, run_bytes);
+        // the next tile's rows fetched during this tile's arithmetic (a paged tile's blocks are
+        // scattered: no hardware prefetcher follows them); the first tile's read in address
+        // order first (a demand stream, which the hardware prefetchers do follow)
+        next.start(run_bytes);
+        for (const T* base : {k, v}) {
+          for (int64_t j = t0 + kTile; j < std::min(len, t0 + 2 * kTile); ++j) {
+            const int64_t at = row_of<PAGED>(b, j, starts, table, table_stride, block_size) *
+                               stride_row + kvh0 * stride_head;
+            for (int64_t i = 0; i < runs; ++i) next.add(base + at + i * stride_head);
           }
         }
-        for (const T* base : {k, v}) {
-          for (int64_t j = 0; j < n; ++j) {
-            for (int64_t i = 0; i < runs; ++i) {
-              read_lines(base + rows[j] * stride_row + (kvh0 + i) * stride_head, run_bytes);
+        if (t0 == 0) {
+          for (const T* base : {k, v}) {
+            for (int64_t j = 0; j < n; ++j) {
+              for (int64_t i = 0; i < runs; ++i) {
+                read_lines(base + rows[j] * stride_row + (kvh0 + i) * stride_head, run_bytes);
+              }
             }
           }
         }
@@ -595,13 +642,14 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
             vrow[j] = v + rows[j] * stride_row + kvh * stride_head;
           }
           const int64_t h0 = kvh * group;
-          tile_scores(qs.data() + h0 * dim, group, dim, krow.data(), n, p.data());
+          tile_scores(qs.data() + h0 * dim, group, dim, krow.data(), n, p.data(), &next);
           for (int64_t r = 0; r < group; ++r) {
             softmax_tile_row(p.data() + r * kTile, n, m[h0 + r], sum[h0 + r],
                              acc.data() + (h0 + r) * dim, dim);
           }
-          tile_values(p.data(), group, dim, vrow.data(), n, acc.data() + h0 * dim);
+          tile_values(p.data(), group, dim, vrow.data(), n, acc.data() + h0 * dim, &next);
         }
+        next.finish();
       }
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
         T* o = out + b * out_stride_b + r * out_stride_h;
