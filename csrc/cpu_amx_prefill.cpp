@@ -147,7 +147,7 @@ inline float softmax_row(const float* s, int64_t width, int64_t visible, float s
   for (int64_t j = 0; j < visible; ++j) raw_max = std::max(raw_max, s[j]);
 #endif
   const float m_new = std::max(m, raw_max * scale);  // scale > 0
-  const float rescale = std::exp(m - m_new);         // 0 on the row's first chunk
+  const float rescale = max_rescale(m, m_new);
 #if defined(__AVX512F__)
   const __m512 mul = _mm512_set1_ps(scale), sub = _mm512_set1_ps(m_new);
   __m512 sums = _mm512_setzero_ps();
