@@ -34,6 +34,15 @@ def test_cpu_kernels_smoke(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
 
 
+def test_every_point_over_the_limit_still_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose every point is skipped prints an empty table and what it skipped (it
+    crashed formatting a table of no rows)."""
+    assert main(["bench", "kernels", "--batch-sizes", "64", "--context-lens", "680",
+                 "--phases", "decode", "--no-cuda", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "virtual_ms" in out and "skipped batch 64 x context 680" in out
+
+
 @pytest.mark.parametrize(("query", "kernel"), [(8, True), (1, True), (1, False)])
 def test_both_backends_compute_the_same_attention(query: int, kernel: bool) -> None:
     """The timed calls are real attention over the same data: outputs agree across modes."""

@@ -54,7 +54,7 @@ def _git_commit() -> str | None:
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A plain fixed-width table of ``rows`` (dicts) restricted to ``columns``."""
     cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
