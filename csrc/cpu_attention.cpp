@@ -671,6 +671,10 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
 constexpr int64_t kQTile = 16;  // query tokens per task
 
 constexpr int64_t kKTile = kTile;  // key tokens per tile (tile_values' p layout)
+#ifndef VMKV_TRANSPOSED_MAX
+#define VMKV_TRANSPOSED_MAX (64 << 20)
+#endif
+constexpr int64_t kTransposedMax = VMKV_TRANSPOSED_MAX;  // bytes of key tiles transposed once per call
 
 #if defined(VMKV_VECTOR)
 constexpr int64_t kScoreVecs = kTile / kLanes;        // score vectors per row of a tile
@@ -717,29 +721,35 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
   const int64_t num_tasks = static_cast<int64_t>(task_b.size()) * kv_heads;
   // Every key tile transposed once, [request's tile, kv head][dim, kKTile] (zero past the
   // request's tokens): each (query tile, head) task of a request reads them all again (it had
-  // transposed each itself: ~15 % of the kernel at 640-token prompts).
+  // transposed each itself: ~15 % of the kernel at 640-token prompts). Past kTransposedMax bytes
+  // (long cached contexts) each task transposes its tiles itself, as before.
   std::vector<int64_t> tile0(static_cast<size_t>(batch) + 1, 0);  // request b's first tile
   for (int64_t b = 0; b < batch; ++b) tile0[b + 1] = tile0[b] + (seq_lens[b] + kKTile - 1) / kKTile;
-  const int64_t tile_floats = dim * kKTile;
-  const std::unique_ptr<float[]> kt_buffer(new float[tile0[batch] * kv_heads * tile_floats]);
-  float* const kt_all = kt_buffer.get();
+  const int64_t tile_floats = dim * kKTile, tiles = tile0[batch] * kv_heads;
+  const bool once = tiles * tile_floats * static_cast<int64_t>(sizeof(float)) <= kTransposedMax;
+  const std::unique_ptr<float[]> kt_all(once ? new float[tiles * tile_floats] : nullptr);
+  const auto transpose = [&](int64_t b, int64_t kvh, int64_t k0, float* kt) {  // kt [dim, kKTile]
+    const int64_t nk = std::min(kKTile, seq_lens[b] - k0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t row = row_of<PAGED>(b, k0 + j, starts, table, table_stride, block_size);
+      const T* kr = k + row * stride_row + kvh * stride_head;
+      for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = to_float(kr[d]);
+    }
+    for (int64_t j = nk; j < kKTile; ++j) {
+      for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = 0.0f;
+    }
+  };
 #pragma omp parallel
   {
+    if (once) {
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t job = 0; job < tile0[batch] * kv_heads; ++job) {
-      const int64_t tile = job / kv_heads, kvh = job % kv_heads;
-      const int64_t b = std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin() - 1;
-      const int64_t k0 = (tile - tile0[b]) * kKTile, nk = std::min(kKTile, seq_lens[b] - k0);
-      float* kt = kt_all + job * tile_floats;
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t row = row_of<PAGED>(b, k0 + j, starts, table, table_stride, block_size);
-        const T* kr = k + row * stride_row + kvh * stride_head;
-        for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = to_float(kr[d]);
-      }
-      for (int64_t j = nk; j < kKTile; ++j) {
-        for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = 0.0f;
+      for (int64_t job = 0; job < tiles; ++job) {
+        const int64_t tile = job / kv_heads;
+        const int64_t b = std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin() - 1;
+        transpose(b, job % kv_heads, (tile - tile0[b]) * kKTile, kt_all.get() + job * tile_floats);
       }
     }
+    std::vector<float> own(once ? 0 : static_cast<size_t>(tile_floats));  // [dim, tile]
     const int64_t max_rows = group * kQTile;
     std::vector<float> qs(static_cast<size_t>(max_rows * dim));   // [rows, dim], scaled
     std::vector<float> acc(static_cast<size_t>(max_rows * dim));  // [rows, dim]
@@ -765,7 +775,12 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
       const int64_t kv_end = ctx + q0 + nq;  // the tile's last query sees keys < kv_end
       for (int64_t k0 = 0; k0 < kv_end; k0 += kKTile) {
         const int64_t nk = std::min(kKTile, kv_end - k0);
-        const float* kt = kt_all + ((tile0[b] + k0 / kKTile) * kv_heads + kvh) * tile_floats;
+        const float* kt = own.data();
+        if (once) {
+          kt = kt_all.get() + ((tile0[b] + k0 / kKTile) * kv_heads + kvh) * tile_floats;
+        } else {
+          transpose(b, kvh, k0, own.data());
+        }
 #if defined(VMKV_VECTOR)
         in_row_blocks<kScoreRows>(nrows, [&](auto rows_, int64_t r0) {
           score_rows<decltype(rows_)::value>(qs.data(), r0, dim, kt, s.data());

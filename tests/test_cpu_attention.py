@@ -138,6 +138,31 @@ def test_prefill_chunks_agree_with_sdpa_in_both_addressings(heads: int, kv_heads
     assert torch.equal(some[rows], got[rows]) and (some[: rows.start] == 7.0).all()
 
 
+def test_prefill_transposes_keys_itself_past_the_buffer_limit() -> None:
+    """Past ``kTransposedMax`` bytes of key tiles each task transposes its own (long cached
+    contexts); both paths give the same bits. Built with a limit of 0 to take the second."""
+    flags = (*cpu_attention.FLAGS, "-DVMKV_TRANSPOSED_MAX=0")
+    require(lambda: cpu_attention.build(flags) is not None,
+            f"the per-task transpose build of {cpu_attention.LIBRARY}",
+            lambda: load_failure(cpu_attention.LIBRARY))
+    torch.manual_seed(0)
+    chunks = [(0, 37), (90, 33), (5, 2)]  # (context, new tokens)
+    k, v = torch.randn(2, len(chunks) * 128, 3, 64)
+    starts = torch.arange(len(chunks)) * 128
+    q_lens = torch.tensor([n for _, n in chunks])
+    q_start = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)[:-1]])
+    seq_lens = torch.tensor([c + n for c, n in chunks])
+    q = torch.randn(int(q_lens.sum()), 9, 64)
+    outs = []
+    for lib in (cpu_attention._lib(), cpu_attention.build(flags)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_attention, "_lib", lambda lib=lib: lib)
+            out = torch.full((q.shape[0], 9 * 64), float("nan"))
+            cpu_attention.prefill(q, k, v, q_start, q_lens, seq_lens, 0.125, out, starts=starts)
+            outs.append(out)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 64), (4, 2, 128)])
 def test_amx_prefill_agrees_with_sdpa_in_both_addressings(heads: int, kv_heads: int,
                                                           dim: int) -> None:
