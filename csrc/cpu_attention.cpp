@@ -565,7 +565,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
     std::vector<float> acc(static_cast<size_t>(heads * dim));    // [heads, dim]
     std::vector<float> p(static_cast<size_t>(group * kTile));    // [group, tile]
     std::vector<float> m(static_cast<size_t>(heads)), sum(static_cast<size_t>(heads));
-    std::vector<int64_t> rows(static_cast<size_t>(kTile));
+    std::vector<int64_t> rows(static_cast<size_t>(kTile)), next_rows(static_cast<size_t>(kTile));
     std::vector<const T*> krow(static_cast<size_t>(kTile)), vrow(static_cast<size_t>(kTile));
     TilePrefetch next;
 #pragma omp for schedule(dynamic, 1)
@@ -610,22 +610,27 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
       // V rows; the tile's exponentials are vector loops. Memory: computed head by head, the
       // tile reads each row in pieces (a head's 256 bytes of every 768 in float32 with 3 KV
       // heads), a pattern the hardware prefetchers did not stream: K/V came in at 12-15 GB/s
-      // where reading the same rows whole ran at 25 (a 2-core Zen 4 EPYC). So the tile's rows
-      // are first read whole in address order, and the next tile's fetched into L2.
+      // where reading the same rows whole ran at 25 (a 2-core Zen 4 EPYC). So the first tile's
+      // rows are read whole in address order, and each next tile's are fetched into L2 during
+      // the tile before (TilePrefetch).
+      const auto rows_of_tile = [&](int64_t t0, int64_t* out_rows) {
+        for (int64_t j = 0; j < std::min(kTile, len - t0); ++j) {
+          out_rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
+        }
+      };
+      rows_of_tile(0, rows.data());
       for (int64_t t0 = 0; t0 < len; t0 += kTile) {
         const int64_t n = len - t0 < kTile ? len - t0 : kTile;
-        for (int64_t j = 0; j < n; ++j) {
-          rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
-        }
         // the next tile's rows fetched during this tile's arithmetic (a paged tile's blocks are
         // scattered: no hardware prefetcher follows them); the first tile's read in address
         // order first (a demand stream, which the hardware prefetchers do follow)
+        const int64_t ahead = std::max<int64_t>(0, std::min(kTile, len - t0 - kTile));
+        rows_of_tile(t0 + kTile, next_rows.data());
         next.start(run_bytes);
         for (const T* base : {k, v}) {
-          for (int64_t j = t0 + kTile; j < std::min(len, t0 + 2 * kTile); ++j) {
-            const int64_t at = row_of<PAGED>(b, j, starts, table, table_stride, block_size) *
-                               stride_row + kvh0 * stride_head;
-            for (int64_t i = 0; i < runs; ++i) next.add(base + at + i * stride_head);
+          for (int64_t j = 0; j < ahead; ++j) {
+            const T* at = base + next_rows[j] * stride_row + kvh0 * stride_head;
+            for (int64_t i = 0; i < runs; ++i) next.add(at + i * stride_head);
           }
         }
         if (t0 == 0) {
@@ -651,6 +656,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
           tile_values(p.data(), group, dim, vrow.data(), n, acc.data() + h0 * dim, &next);
         }
         next.finish();
+        std::swap(rows, next_rows);
       }
       for (int64_t r = kvh0 * group; r < kvh1 * group; ++r) {
         T* o = out + b * out_stride_b + r * out_stride_h;
