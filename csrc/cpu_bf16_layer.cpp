@@ -86,6 +86,7 @@ constexpr int64_t kSmallRows = 64;     // up to this many rows: one row tile (de
 constexpr int64_t kMaxTileRows = 256;  // rows per ukernel call beyond it (prefill)
 constexpr int64_t kMaxBlockN = 64;     // widest column block a weight may be packed in
 constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
+constexpr int64_t kBalancedRows = 16;  // fewest rows per tile when decode's rows are split
 
 // the ukernel's float32 overload (VmkvBrgemm's arguments with float A and B)
 using BrgemmF32 = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
@@ -120,11 +121,14 @@ inline void block_product(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, int64_
 }
 
 // Runs task(m0, rows, block, scratch) for every (row tile, column block) of an m-row product
-// over the OpenMP team; `scratch` holds two float32 tiles. Few rows (decode): one row tile, the
-// column blocks split over the threads, so each streams its share of the weight once. Many rows
-// (prefill): row tiles of at most kMaxTileRows, a whole number per thread, each thread sweeping
-// every column block with its rows of A in cache. Returns false when a task raised (the ukernel
-// reports errors as C++ exceptions, which must not cross the OpenMP region or the C ABI).
+// over the OpenMP team; `scratch` holds two float32 tiles. Few rows (decode): the column blocks
+// split over the threads, so each streams its share of the weight once; where the blocks do not
+// divide evenly (9 blocks on 2 threads: 5 and 4), the rows are cut into one tile per thread and
+// the tasks run block by block, so a thread shares at most its first and last block with a
+// neighbour (9 blocks: 4.5 each). Many rows (prefill): row tiles of at most kMaxTileRows, a
+// whole number per thread, each thread sweeping every column block with its rows of A in
+// cache. Returns false when a task raised (the ukernel reports errors as C++ exceptions, which
+// must not cross the OpenMP region or the C ABI).
 template <typename T, typename Task>
 bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task) {
 #if defined(_OPENMP)
@@ -133,9 +137,13 @@ bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task
   const int64_t threads = 1;
 #endif
   int64_t tiles = 1;
+  bool block_major = false;  // task t: block t / tiles, row tile t % tiles
   if (m > kSmallRows) {
     tiles = std::max(threads, (m + kMaxTileRows - 1) / kMaxTileRows);
     tiles = (tiles + threads - 1) / threads * threads;
+  } else if (blocks % threads != 0 && m >= kBalancedRows * threads) {
+    tiles = threads;
+    block_major = true;
   }
   const int64_t tile_rows = (m + tiles - 1) / tiles, tasks = tiles * blocks;
   std::atomic<bool> failed{false};
@@ -144,7 +152,8 @@ bool for_each_tile(const VmkvBf16Gemm& g, int64_t m, int64_t blocks, Task&& task
     std::vector<float> scratch(static_cast<size_t>(2 * tile_rows * kMaxBlockN));
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t m0 = t / blocks * tile_rows, block = t % blocks;
+      const int64_t m0 = (block_major ? t % tiles : t / blocks) * tile_rows;
+      const int64_t block = block_major ? t / tiles : t % blocks;
       if (m0 >= m) continue;
       try {
         task(m0, std::min(tile_rows, m - m0), block, scratch.data());

@@ -81,13 +81,15 @@ def test_a_backend_this_torch_lacks_is_a_value_error(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "inp", "out"), [(0, 576, 960), (1, 576, 960), (7, 40, 50),
-                                                   (64, 1536, 576), (300, 576, 3072)])
+                                                   (45, 576, 576), (64, 1536, 576),
+                                                   (300, 576, 3072)])
 def test_brgemm_rounds_like_f_linear_in_bfloat16(bias: bool, rows: int, inp: int,
                                                  out: int) -> None:
     """bf16 results rounded once, as F.linear's (which accumulates in float32 too): equal but
     for the rare element whose float32 sums straddle a rounding boundary (then 1 bf16 ulp);
     the float32 output (the LM head's) is the exact product up to summation order. Covers one
-    row tile and several (decode, prefill), a partial last column block and odd shapes."""
+    row tile and several (decode, prefill), decode rows split where the column blocks do not
+    divide over the threads (45 rows, 9 blocks), a partial last column block and odd shapes."""
     require_bf16_kernels()
     torch.manual_seed(rows + out)
     linear = nn.Linear(inp, out, bias=bias).to(torch.bfloat16).requires_grad_(False)
@@ -120,11 +122,13 @@ def test_bfloat16_backends_and_refusals() -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "inp", "out"), [(0, 576, 960), (1, 576, 960), (7, 40, 50),
-                                                   (64, 1536, 576), (300, 576, 3072)])
+                                                   (45, 576, 576), (64, 1536, 576),
+                                                   (300, 576, 3072)])
 def test_brgemm_float32_is_f_linear_up_to_summation_order(bias: bool, rows: int, inp: int,
                                                           out: int) -> None:
     """The float32 brgemm linear (plain column blocks, the ukernel's float overload): one row
-    tile and several, a partial last column block, odd shapes, a strided input."""
+    tile and several, decode rows split over the threads (45 rows, 9 blocks), a partial last
+    column block, odd shapes, a strided input."""
     require_f32_brgemm()
     torch.manual_seed(rows + out)
     linear = nn.Linear(inp, out, bias=bias).requires_grad_(False)
