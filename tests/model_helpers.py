@@ -29,9 +29,10 @@ def make_kv(cfg: ModelConfig, kv_mode: str, layout: str = "all-layers", *, num_s
 
 
 def _step(model: LlamaModel, kv: KVCacheManager, attn: Any, rids: list[str],
-          tokens: list[list[int]], done: list[int], take: list[int]) -> torch.Tensor:
+          tokens: list[list[int]], done: list[int], take: list[int],
+          keep: list[int] | None = None) -> torch.Tensor:
     """Run one step where request i brings tokens[i][done[i] : done[i] + take[i]]; returns
-    the hidden states ``[sum(take), hidden]``."""
+    the hidden states ``[sum(take), hidden]`` (of the rows ``keep`` only, if given)."""
     for rid, n in zip(rids, take, strict=True):
         assert kv.allocate(rid, n), f"KV cache full for {rid}"
     meta = attn.prepare(rids, done, take)
@@ -39,7 +40,8 @@ def _step(model: LlamaModel, kv: KVCacheManager, attn: Any, rids: list[str],
     pos = [p for c, n in zip(done, take, strict=True) for p in range(c, c + n)]
     input_ids = torch.tensor(ids, dtype=torch.int64, device=model.device)
     positions = torch.tensor(pos, dtype=torch.int64, device=model.device)
-    return model.forward(input_ids, positions, attn, meta)
+    rows = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=model.device)
+    return model.forward(input_ids, positions, attn, meta, rows)
 
 
 @torch.inference_mode()

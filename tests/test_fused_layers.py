@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import make_kv, prefill_logits, save_tiny_llama
+from model_helpers import _step, make_kv, prefill_logits, save_tiny_llama
 from skip_policy import require_cpu_kernel, require_f32_brgemm, require_mkl
 
+from vmkv.attention import create_attention_backend
 from vmkv.kernels import cpu_decoder_layer as kernels
 from vmkv.models import load_model
 from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
@@ -114,6 +115,38 @@ def test_profile_counts_gemm_and_elementwise_time(checkpoint: Path) -> None:
     # 2 FLOPs per weight of the four linears, per token
     assert fused.flops_per_token == 2 * cfg.num_layers * cfg.hidden_size * (
         cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * cfg.intermediate_size)
+    # a row the last layer drops skips its output projection and MLP
+    assert fused.step_flops(10, 3) == fused.step_flops(10) - 7 * 2 * cfg.hidden_size * (
+        cfg.q_size + 3 * cfg.intermediate_size)
+
+
+@pytest.mark.parametrize("body", ["modules", "mkl", "brgemm"])
+def test_kept_rows_are_the_full_steps_rows(checkpoint: Path, body: str) -> None:
+    """A step asked for some rows only (``keep``: a prefill chunk's last rows, as the engine
+    asks) gives those rows of the full step, and still writes every row's K/V: the next
+    decode step after it equals the one after the full step."""
+    if body == "brgemm":
+        require_f32_brgemm()
+    model, cfg = load_model(checkpoint, linear_backend="torch" if body == "modules" else body)
+    if body != "modules":
+        assert fuse_layers(model) is not None
+    prompt = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
+    tokens = [prompt.tolist()]
+    keep = [0, 41, 87, 88]
+    outputs = []
+    for rows in (None, keep):
+        kv = make_kv(cfg, "paged", max_model_len=128)
+        attn = create_attention_backend(kv)
+        try:
+            hidden = _step(model, kv, attn, ["req"], tokens, [0], [89], rows)
+            decode = _step(model, kv, attn, ["req"], tokens, [89], [1])
+            outputs.append((hidden, decode))
+        finally:
+            kv.close()
+    (full, full_decode), (kept, kept_decode) = outputs
+    assert kept.shape == (len(keep), cfg.hidden_size)
+    torch.testing.assert_close(kept, full[keep], rtol=1e-5, atol=5e-5)
+    assert torch.equal(kept_decode, full_decode)
 
 
 def test_what_cannot_run_fused_says_why(checkpoint: Path, caplog: pytest.LogCaptureFixture,

@@ -108,8 +108,10 @@ class StepTimer:
             self.ns[part] = self.ns.get(part, 0) + time.perf_counter_ns() - start
             if gemm:  # x [M, K] -> out [M, N]: 2 M K N
                 self.flops[part] += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
-            elif part == "forward" and self.fused is not None:  # input_ids [T]
-                self.flops["gemm"] += self.fused.flops_per_token * args[0].shape[0]
+            elif part == "forward" and self.fused is not None:  # input_ids [T], keep [N]
+                keep = args[4] if len(args) > 4 else kwargs.get("keep")
+                self.flops["gemm"] += self.fused.step_flops(
+                    args[0].shape[0], None if keep is None else keep.shape[0])
             return out
 
         had_own = method in vars(obj)

@@ -39,24 +39,32 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run the step; the logits of its sample rows and the hidden states of its prompt
         spans."""
-        hidden = self.forward(plan)  # [T, hidden]
-        prompt_hidden = [hidden[row : row + count] for row, count in plan.prompt_spans]
+        hidden = self.forward(plan)  # [N, hidden]
+        at = {row: i for i, row in enumerate(plan.output_rows())}  # step row -> hidden row
+        prompt_hidden = [hidden[at[row] : at[row] + count] for row, count in plan.prompt_spans]
         if not plan.sample_rows:
             return StepOutput(None, prompt_hidden)
-        rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device)
+        rows = torch.tensor([at[r] for r in plan.sample_rows], dtype=torch.int64,
+                            device=self.device)
         return StepOutput(self.compute_logits(hidden.index_select(0, rows)), prompt_hidden)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """The step's hidden states ``[T, hidden]`` (its K/V written to the cache)."""
-        if self.graphs is not None and self.graphs.can_run(plan.query_lens):
+        """The hidden states ``[N, hidden]`` of the plan's :meth:`~StepPlan.output_rows`, with
+        every row's K/V written to the cache (a prefill chunk's other rows skip the last
+        layer's output projection and MLP; in decode N = T)."""
+        wanted = plan.output_rows()
+        every_row = len(wanted) == plan.num_tokens
+        if every_row and self.graphs is not None and self.graphs.can_run(plan.query_lens):
             # decode-only: one copy into the bucket's static buffer, then a graph replay
             return self.graphs.run(plan.request_ids, plan.context_lens, plan.input_ids,
                                    plan.positions)
         meta = self.attn.prepare(plan.request_ids, plan.context_lens, plan.query_lens)
         ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=self.device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)  # [T]
-        return self.model.forward(ids, pos, self.attn, meta)  # [T, hidden]
+        keep = None if every_row else torch.tensor(wanted, dtype=torch.int64,
+                                                   device=self.device)  # [N]
+        return self.model.forward(ids, pos, self.attn, meta, keep)  # [N, hidden]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,3 +27,11 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def output_rows(self) -> list[int]:
+        """The rows whose hidden states the engine reads, sorted: the sample rows and every
+        prompt span's (a prefill chunk's other rows are needed only for their K/V)."""
+        rows = set(self.sample_rows)
+        for row, count in self.prompt_spans:
+            rows.update(range(row, row + count))
+        return sorted(rows)

@@ -92,7 +92,7 @@ class Worker:
             raise RuntimeError(f"no KV room for a {num_tokens}-token warm-up step")
         try:
             self.runner.forward(StepPlan([rid], [0], [num_tokens], [0] * num_tokens,
-                                         list(range(num_tokens))))
+                                         list(range(num_tokens)), [num_tokens - 1]))
         finally:
             self.kv.free(rid)
 

@@ -108,6 +108,16 @@ class FusedLayers:
         self.flops_per_token = 2 * sum(
             lin.in_features * lin.out_features for layer in model.layers
             for lin in _linears(layer))
+        last = model.layers[-1].self_attn.qkv_proj if model.layers else None
+        #: what a row the last layer drops (``keep``) skips: all but its qkv GEMM
+        self._dropped_flops = (self.flops_per_token // max(1, len(self.layers))
+                               - (2 * last.in_features * last.out_features if last else 0))
+
+    def step_flops(self, num_tokens: int, kept: int | None = None) -> int:
+        """The GEMM FLOPs of a :meth:`body` call of ``num_tokens`` rows, ``kept`` of them
+        through the last layer's output projection and MLP (None: all)."""
+        dropped = 0 if kept is None else num_tokens - kept
+        return self.flops_per_token * num_tokens - self._dropped_flops * dropped
 
     def profile(self, on: bool) -> None:
         """Count the calls' GEMM and elementwise time in :attr:`ns` (on) or not (off)."""
@@ -117,9 +127,11 @@ class FusedLayers:
         else:
             self.shape.ns = address
 
-    def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def body(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             keep: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`LlamaModel.body`: ``input_ids, positions [T]`` -> final-norm hidden
-        ``[T, hidden]``, attention through the step the model's ``forward`` set."""
+        ``[T, hidden]`` (``[N, hidden]`` of the rows ``keep [N]``), attention through the step
+        the model's ``forward`` set."""
         model = self.model
         x = model.embed_tokens(input_ids)  # [T, hidden], a new tensor: the calls update it
         cos, sin = model.rotary(positions, x.dtype)  # [T, D] each, contiguous
@@ -133,13 +145,18 @@ class FusedLayers:
         shape = ctypes.byref(self.shape)
         x_ptr, h_ptr, act_ptr = x.data_ptr(), h.data_ptr(), act.data_ptr()
         cos_ptr, sin_ptr, qkv_ptr = cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             _check(self.attn_in(shape, layer, x_ptr, t, cos_ptr, sin_ptr, h_ptr, qkv_ptr), t)
             out = attention(q, k, v, self.scale)  # [T, Hq * D]
+            rows = t
+            if keep is not None and i == last:  # every row's K/V is written: keep what is wanted
+                out, x = out.index_select(0, keep), x.index_select(0, keep)  # [N, ...]
+                rows, x_ptr = x.shape[0], x.data_ptr()
             if out.stride(-1) != 1:
                 out = out.contiguous()
-            _check(self.attn_out(shape, layer, x_ptr, t, out.data_ptr(), out.stride(0), h_ptr,
-                                 act_ptr), t)
+            _check(self.attn_out(shape, layer, x_ptr, rows, out.data_ptr(), out.stride(0), h_ptr,
+                                 act_ptr), rows)
         return model.norm(x)
 
 

@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, head_dim]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, hidden]; cos, sin: [T, head_dim]; keep: [N] rows the output is wanted for
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         heads = qkv.view(t, hq + 2 * self.num_kv_heads, self.head_dim)
@@ -62,7 +63,9 @@ class LlamaAttention(nn.Module):
             qk = apply_rope(heads[:, : hq + self.num_kv_heads], cos, sin)  # [T, Hq + Hkv, D]
             q, k = qk[:, :hq], qk[:, hq:]
         out = attention(q, k, v, self.scale)  # [T, Hq * D], this layer's (the step counts)
-        out = self.o_proj(out)  # [T, hidden]
+        if keep is not None:  # every row's K/V is written; only kept rows go on
+            out = out.index_select(0, keep)  # [N, Hq * D]
+        out = self.o_proj(out)  # [T or N, hidden]
         return all_reduce(out) if self.reduce else out
 
 
@@ -80,10 +83,14 @@ class LlamaDecoderLayer(nn.Module):
                             device=device, dtype=dtype)
         self.reduce_mlp = cfg.tensor_parallel_size > 1  # a shard: down sums over the ranks
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        mlp = self.mlp(self.post_attention_layernorm(x))  # [T, hidden]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``, or ``[N, hidden]`` for the rows ``keep [N]``
+        (int64): the attention still writes every row's K/V, the output projection and the MLP
+        run on the kept rows only."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, keep)  # [T or N, hidden]
+        x = (x if keep is None else x.index_select(0, keep)) + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))  # [T or N, hidden]
         return x + (all_reduce(mlp) if self.reduce_mlp else mlp)
 
 
@@ -139,22 +146,31 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Run one step; returns final-norm hidden states ``[T, hidden]``.
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns final-norm hidden states ``[T, hidden]``, or ``[N, hidden]``
+        of the rows ``keep [N]`` (sorted int64 row numbers; the last layer's output projection
+        and MLP then run on those rows only: a prefill chunk needs its K/V from the last layer,
+        its hidden states only where logits are wanted).
 
         ``input_ids``, ``positions``: ``[T]`` int64 on the model's device, flattened in
         ``meta``'s request order; the KV manager must already hold room for every token.
         """
         with attention_step(attn, meta):
-            return (self.run_body or self.body)(input_ids, positions)
+            return (self.run_body or self.body)(input_ids, positions, keep)
 
-    def body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The forward over tensors only (``input_ids, positions [T]`` -> ``[T, hidden]``);
-        attention goes to the step set by :meth:`forward`."""
+    def body(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward over tensors only (``input_ids, positions [T]`` -> ``[T, hidden]``, or
+        ``[N, hidden]`` with ``keep``); attention goes to the step set by :meth:`forward`."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
-        for layer in self.layers:
+        *layers, last = self.layers
+        for layer in layers:
             x = layer(x, cos, sin)
+        if keep is None:
+            x = last(x, cos, sin)
+        else:  # the class's own forward: a compiled layer's graph takes no keep
+            x = LlamaDecoderLayer.forward(last, x, cos, sin, keep)  # [N, hidden]
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
