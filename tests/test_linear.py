@@ -3,12 +3,15 @@ reassociation; the bias is never written; the backend choice and its errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from skip_policy import require, require_bf16_kernels, require_f32_brgemm, require_mkl
 from torch import nn
 
 from vmkv.kernels import cpu_bf16
+from vmkv.models import huge_pages
 from vmkv.models import linear as linear_module
 from vmkv.models.linear import (
     PackedLinear,
@@ -140,3 +143,31 @@ def test_brgemm_float32_is_f_linear_up_to_summation_order(bias: bool, rows: int,
                                rtol=1e-4, atol=1e-4)
     strided = torch.randn(rows, 2 * inp)[:, ::2]  # row stride != width
     assert torch.equal(packed(strided), packed(strided.contiguous()))
+
+
+def test_brgemm_weights_move_into_huge_pages_where_the_os_has_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Packed brgemm weights start on 2 MiB boundaries of one MADV_HUGEPAGE mapping where
+    transparent huge pages are on (``madvise`` or ``always``), with the same results; where
+    they are ``[never]`` the weights stay where packing put them."""
+    require_f32_brgemm()
+    torch.manual_seed(0)
+    x = torch.randn(5, 96)
+    for mode in ("always [madvise] never", "always madvise [never]"):
+        thp = tmp_path / "enabled"
+        thp.write_text(mode + "\n")
+        monkeypatch.setattr(huge_pages, "THP_ENABLED", thp)
+        model = nn.Sequential(nn.Linear(96, 40), nn.Linear(40, 96))
+        want = model(x)
+        assert pack_linears(model, "brgemm") == 2
+        first, second = (m.packed_weight.data_ptr() for m in model)
+        assert (first % huge_pages.HUGE_PAGE == 0) == ("[never]" not in mode)
+        if "[never]" not in mode:  # one mapping, each weight on its own page
+            size = model[0].packed_weight.numel() * model[0].packed_weight.element_size()
+            assert second - first == -(-size // 4096) * 4096
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        monkeypatch.setattr(huge_pages, "THP_ENABLED", tmp_path / "enabled")
+        (tmp_path / "enabled").write_text("[always] madvise never\n")
+        huge_pages.huge_page_copies([torch.randn(4, 4).T])
+

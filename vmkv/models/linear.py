@@ -39,6 +39,7 @@ from torch import nn
 from vmkv.config import LINEAR_BACKENDS
 from vmkv.cpu_info import cpu_vendor
 from vmkv.kernels import cpu_bf16
+from vmkv.models.huge_pages import huge_page_copies
 
 logger = logging.getLogger(__name__)
 
@@ -266,4 +267,16 @@ def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) 
             setattr(parent, name, PackedLinear(child, batch_hint, chosen, out, parts))
             swapped += 1
     logger.debug("packed %d linear layers for %s", swapped, backend)
+    _into_huge_pages([m for m in model.modules() if isinstance(m, PackedLinear)])
     return swapped
+
+
+def _into_huge_pages(linears: list[PackedLinear]) -> None:
+    """Move the brgemm weights (plain column blocks) into 2 MiB pages
+    (:mod:`vmkv.models.huge_pages`), before anything holds their addresses. MKL's packed
+    buffers are opaque (a copy of one crashed ``cblas_sgemm_compute``) and oneDNN's have their
+    own layout: both stay where they were packed."""
+    movable = [lin for lin in linears if lin.backend == "brgemm"]
+    copies = huge_page_copies([lin.packed_weight for lin in movable]) if movable else None
+    for lin, copy in zip(movable, copies or (), strict=False):
+        lin.packed_weight = copy
