@@ -55,7 +55,8 @@ def test_single_mode_repeats_and_preemption_under_tight_memory(tmp_path: Path) -
     # of 16): preemption must happen
     assert main(["bench", "throughput", "--kv-mode", "paged", "--num-prompts", "3",
                  "--input-len", "4:8", "--output-len", "16:24", "--max-model-len", "64",
-                 "--kv-cache-memory", str(46080 * 64), "--repeats", "2", "--warmup-prompts",
+                 "--kv-cache-memory", str(46080 * 64), "--block-size", "16", "--repeats", "2",
+                 "--warmup-prompts",
                  "0", "--no-progress", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["repeat"] for r in result["runs"]] == [0, 1]
@@ -76,7 +77,8 @@ def test_prefix_caching_compared_side_by_side_and_repetitions_start_cold(tmp_pat
     assert main(["bench", "throughput", "--kv-mode", "both", "--workload", "shared-prefix",
                  "--prefix-len", "48", "--num-prompts", "3", "--input-len", "4:8",
                  "--output-len", "2:3", "--seed", "1", *ENGINE, "--max-num-seqs", "1",
-                 "--compare-prefix-caching", "--repeats", "2", "--warmup-prompts", "3",
+                 "--compare-prefix-caching", "--block-size", "16",  # the 48-token prefix: 3
+                 "--repeats", "2", "--warmup-prompts", "3",
                  "--no-progress", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     hits: dict[str, list[int]] = {}

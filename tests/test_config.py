@@ -37,11 +37,20 @@ def test_impossible_values_name_the_field_and_value() -> None:
                           (dict(premap_pages=-1), "premap_pages must be >= 0, got -1"),
                           (dict(kv_cache_memory=None), "kv_cache_memory must be set"),
                           (dict(device="tpu"), "device must be 'cpu' or 'cuda"),
-                          (dict(linear_backend="blas"), "linear_backend must be one of")]:
+                          (dict(linear_backend="blas"), "linear_backend must be one of"),
+                          (dict(max_num_seqs="8"), "max_num_seqs must be an integer, got '8'"),
+                          (dict(max_num_seqs=True), "max_num_seqs must be an integer"),
+                          (dict(kv_cache_memory="lots"),
+                           "kv_cache_memory: expected a size like 64K or 2M, got 'lots'")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="max_body_bytes must be positive"):
         ServerConfig(max_body_bytes=0)
+    with pytest.raises(ValueError, match="shutdown_timeout must be a number, got '5'"):
+        ServerConfig(shutdown_timeout="5")
+    # sizes as text, as on the command line
+    assert EngineConfig(kv_cache_memory="4G", page_size="64K").kv_cache_memory == 4 << 30
+    assert ServerConfig(shutdown_timeout=3).shutdown_timeout == 3
 
 
 def test_flags_are_the_fields_with_the_same_defaults() -> None:

@@ -95,7 +95,7 @@ def test_preemption_under_tight_memory_keeps_tokens(kv_mode: str, preemption: st
     ample.engine.close()
     # ~4 requests' worth of KV (prompts ~12 tokens + 16 outputs, 46 KB per token in fp32)
     tight = make_llm(kv_mode, max_num_seqs=32, kv_cache_memory=4 * 28 * 46080 + 65536,
-                     preemption_mode=preemption)
+                     block_size=16, preemption_mode=preemption)  # paged: 7 blocks
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     stats = tight.engine.scheduler.stats
     assert stats.num_preemptions > 0
@@ -105,8 +105,9 @@ def test_preemption_under_tight_memory_keeps_tokens(kv_mode: str, preemption: st
 
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
 def test_n_samples_share_the_prompt_kv(kv_mode: str) -> None:
-    # caching off: the separate requests must not share the prompt through the prefix cache
-    llm = make_llm(kv_mode, enable_prefix_caching=False)
+    # caching off: the separate requests must not share the prompt through the prefix cache;
+    # paged: 16-token blocks, so the ~70-token prompt fills whole blocks the samples share
+    llm = make_llm(kv_mode, enable_prefix_caching=False, block_size=16)
     engine = llm.engine
     prompt = " ".join(PROMPTS)  # ~70 tokens
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
@@ -201,7 +202,7 @@ def test_startup_report_states_the_kv_geometry_and_prefix_caching() -> None:
     assert on[3] == cpu_kernels.report_line() and "attention, argmax, decoder layers" in on[3]
     assert not on[3].count("not built")
     off = make_llm("paged", enable_prefix_caching=False).engine.startup_report()
-    assert off[1].endswith("prefix caching off") and "blocks of 16 tokens" in off[2]
+    assert off[1].endswith("prefix caching off") and "blocks of 128 tokens" in off[2]
 
 
 def test_a_cpu_engine_creates_pages_in_chunks_and_maps_ahead() -> None:

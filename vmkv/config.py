@@ -85,16 +85,38 @@ def field_option(f: Any) -> Option | None:
     return f.metadata.get("option")
 
 
+def size_bytes(text: str) -> int:
+    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G' (ValueError otherwise)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"expected a size like 64K or 2M, got {text!r}") from None
+
+
 def check_options(config: Any) -> None:
     """ValueError naming the first field of ``config`` whose value its Option refuses.
 
-    None is allowed exactly where the default is None."""
+    None is allowed exactly where the default is None. A size given as text (``"4G"``) becomes
+    its bytes, as on the command line."""
     for f in fields(config):
         opt, value = field_option(f), getattr(config, f.name)
         if opt is None or (value is None and f.default is None):
             continue
         if value is None:
             raise ValueError(f"{f.name} must be set (default {f.default!r}), got None")
+        if opt.size and isinstance(value, str):
+            try:
+                value = size_bytes(value)
+            except ValueError as exc:
+                raise ValueError(f"{f.name}: {exc}") from None
+            object.__setattr__(config, f.name, value)
+        if opt.minimum is not None:  # a number: an int, or for a float field either
+            floats = "float" in str(f.type)
+            if not isinstance(value, (int, float) if floats else int) or isinstance(value, bool):
+                kind = "a number" if floats else "an integer"
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
         if opt.choices is not None and value not in opt.choices:
             raise ValueError(f"{f.name} must be one of {opt.choices}, got {value!r}")
         if opt.minimum is not None and value < opt.minimum:

@@ -13,20 +13,18 @@ import typing
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from vmkv.config import EngineConfig, ServerConfig, field_option
+from vmkv.config import EngineConfig, ServerConfig, field_option, size_bytes
 
 C = TypeVar("C")
 
 
 def parse_size(text: str) -> int:
-    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G'."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G' (:func:`size_bytes` for
+    argparse)."""
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 64K or 2M, got {text!r}"
-                                         ) from None
+        return size_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def flag_name(name: str) -> str:
