@@ -20,6 +20,7 @@ loads.
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -114,7 +115,8 @@ def check_options(config: Any) -> None:
             object.__setattr__(config, f.name, value)
         if opt.minimum is not None:  # a number: an int, or for a float field either
             floats = "float" in str(f.type)
-            if not isinstance(value, (int, float) if floats else int) or isinstance(value, bool):
+            kind_ok = isinstance(value, numbers.Real if floats else numbers.Integral)
+            if not kind_ok or isinstance(value, bool):  # numpy ints are Integral too
                 kind = "a number" if floats else "an integer"
                 raise ValueError(f"{f.name} must be {kind}, got {value!r}")
         if opt.choices is not None and value not in opt.choices:
