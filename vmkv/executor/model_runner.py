@@ -39,13 +39,17 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run the step; the logits of its sample rows and the hidden states of its prompt
         spans."""
-        hidden = self.forward(plan)  # [N, hidden]
-        at = {row: i for i, row in enumerate(plan.output_rows())}  # step row -> hidden row
-        prompt_hidden = [hidden[at[row] : at[row] + count] for row, count in plan.prompt_spans]
-        if not plan.sample_rows:
+        wanted = plan.output_rows()
+        hidden = self._forward(plan, wanted)  # [len(wanted), hidden]
+        spans, sample_rows = plan.prompt_spans, plan.sample_rows
+        if len(wanted) < plan.num_tokens:  # pruned: step rows -> rows of hidden
+            at = {row: i for i, row in enumerate(wanted)}
+            spans = [(at[row], count) for row, count in spans]
+            sample_rows = [at[row] for row in sample_rows]
+        prompt_hidden = [hidden[row : row + count] for row, count in spans]
+        if not sample_rows:
             return StepOutput(None, prompt_hidden)
-        rows = torch.tensor([at[r] for r in plan.sample_rows], dtype=torch.int64,
-                            device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return StepOutput(self.compute_logits(hidden.index_select(0, rows)), prompt_hidden)
 
     @torch.inference_mode()
@@ -53,7 +57,9 @@ class ModelRunner:
         """The hidden states ``[N, hidden]`` of the plan's :meth:`~StepPlan.output_rows`, with
         every row's K/V written to the cache (a prefill chunk's other rows skip the last
         layer's output projection and MLP; in decode N = T)."""
-        wanted = plan.output_rows()
+        return self._forward(plan, plan.output_rows())
+
+    def _forward(self, plan: StepPlan, wanted: list[int]) -> torch.Tensor:
         every_row = len(wanted) == plan.num_tokens
         if every_row and self.graphs is not None and self.graphs.can_run(plan.query_lens):
             # decode-only: one copy into the bucket's static buffer, then a graph replay
