@@ -72,7 +72,7 @@ class StagingBuffer:
                  num_host_buffers: int = 3) -> None:
         if num_host_buffers < 1:
             raise ValueError(f"num_host_buffers must be >= 1, got {num_host_buffers}")
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self._is_cuda = self.device.type == "cuda"
         self._host: list[torch.Tensor] = [self._new_host(capacity)
                                            for _ in range(num_host_buffers)]
@@ -132,6 +132,14 @@ def views(buffer: torch.Tensor, fields: tuple[Field, ...]) -> dict[str, torch.Te
         raw = buffer[f.offset : f.offset + f.nbytes]
         out[f.name] = raw.view(_TORCH_DTYPES[f.dtype]).view(f.shape)
     return out
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so that it compares
+    equal to the ``.device`` of the tensors made on it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _grow(nbytes: int) -> int:
