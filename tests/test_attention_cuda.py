@@ -242,7 +242,8 @@ def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Mon
                        ) -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
     ok = {"flash_attn": False, "aten": True, "triton": True, "rows_fit_int32": True}
-    assert resolve_virtual_kernel("auto", bf16, 128, **ok) == "aten-flash"
+    assert resolve_virtual_kernel("auto", bf16, 128, **ok) == "triton"
+    assert resolve_virtual_kernel("auto", bf16, 128, **{**ok, "triton": False}) == "aten-flash"
     assert resolve_virtual_kernel("auto", bf16, 128, **{**ok, "flash_attn": True}) == "flash-attn"
     assert resolve_virtual_kernel("flash", bf16, 128, **ok) == "aten-flash"
     assert resolve_virtual_kernel("triton", bf16, 128, **ok) == "triton"
@@ -250,8 +251,10 @@ def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Mon
         assert resolve_virtual_kernel("auto", fp32, 128, **ok) == "sdpa"
         assert resolve_virtual_kernel("aten-flash", fp32, 128, **ok) == "sdpa"
         assert resolve_virtual_kernel("auto", bf16, 72 + 4, **ok) == "triton"  # head_dim % 8
-        assert resolve_virtual_kernel("auto", bf16, 128,
-                                      **{**ok, "rows_fit_int32": False}) == "triton"
+        assert resolve_virtual_kernel("auto", bf16, 72 + 4,
+                                      **{**ok, "triton": False}) == "sdpa"
+        assert resolve_virtual_kernel("auto", bf16, 128, **{**ok, "triton": False,
+                                                            "rows_fit_int32": False}) == "sdpa"
     assert "float16/bfloat16 only" in caplog.text and "2**31" in caplog.text
     with pytest.raises(ValueError, match="needs the flash_attn package"):
         resolve_virtual_kernel("flash-attn", bf16, 128, **ok)

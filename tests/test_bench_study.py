@@ -24,7 +24,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def study(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("study")
-    assert main(["bench", "study", "--smoke", "--out", str(out), "--no-progress"]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # not the repository's own GPU results
+        mp.setattr(gpu, "SEARCH", ())
+        assert main(["bench", "study", "--smoke", "--out", str(out), "--no-progress"]) == 0
     assert psutil.Process().children() == []  # every server the parts launched is gone
     return out
 
@@ -112,9 +114,14 @@ def test_an_unknown_part_is_refused(study: Path, capsys: pytest.CaptureFixture[s
     assert "unknown part(s) ['memroy']" in capsys.readouterr().err
 
 
-def test_gpu_results_are_read_into_the_study(study: Path, tmp_path: Path) -> None:
-    """A check.sh results folder (as a GPU run writes it) fills the GPU section; a CPU dry
-    run's folder does not count."""
+def test_gpu_results_are_read_into_the_study(study: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check.sh results folder (as a GPU run writes it) fills the GPU section and leaves the
+    study's machine alone; a CPU dry run's folder does not count."""
+    committed = gpu.find_results()  # the H200 run in docs/results/gpu-check
+    assert committed is not None and committed.name == "gpu-check"
+    monkeypatch.setattr(gpu, "SEARCH", ())
+    machine = _doc(study)["environment"]
     folder = tmp_path / "gpu-check"
     folder.mkdir()
     (folder / "summary.json").write_text(json.dumps({"device": "cpu", "rows": []}))
@@ -141,6 +148,7 @@ def test_gpu_results_are_read_into_the_study(study: Path, tmp_path: Path) -> Non
     assert gpu_section.count("Missing: ") == 1 and "s6_decode" in gpu_section
     assert "| cuda (check.sh) | 2,097,152 | 256 |" in md  # in part 4's page-operation table
     assert unsourced_numbers(md, doc) == []
+    assert doc["environment"] == machine
     assert main(["bench", "study", "--smoke", "--out", str(study), "--parts", "gpu",
                  "--no-progress"]) == 0  # back to no results (the module's other tests)
 

@@ -184,7 +184,8 @@ def run_dtype(res: Result, cmp: Comparer, path, dtype_name: str, dtype) -> None:
     variants: list[tuple[str, str | None]] = [("virtual", None), ("paged", None)]
     with_graphs = not ON_CPU and dtype == torch.bfloat16
     if with_graphs:
-        variants = [("virtual", "aten-flash"), ("virtual", "triton"), ("paged", "triton")]
+        # each mode's auto kernel first: the engine's tokens are compared with that run
+        variants = [("virtual", "triton"), ("virtual", "aten-flash"), ("paged", "triton")]
     hf = f"hf/{dtype_name}"
     first = f"{variants[0][0]}/{variants[0][1] or 'auto'}/{dtype_name}"
 

@@ -1,7 +1,9 @@
 """Which CUDA attention kernel a KV cache runs with (``kernel=`` or ``$VMKV_ATTENTION_BACKEND``).
 
-    auto        best available: flash-attn > aten-flash > triton > sdpa (virtual);
-                flash-attn (block size % 256 == 0) > triton > sdpa (paged)
+    auto        best available: flash-attn > triton > aten-flash > sdpa (virtual);
+                flash-attn (block size % 256 == 0) > triton > sdpa (paged). On the H200
+                (torch 2.11, no flash-attn) the contiguous Triton twin's decode step is
+                1.02-1.37x faster than aten-flash, which has no split-KV there (docs/gpu-results.md)
     flash       flash-attn if installed, else aten-flash (virtual) / triton (paged)
     flash-attn  the flash_attn package: flash_attn_with_kvcache (slot ids or block table)
     aten-flash  torch.ops.aten._flash_attention_forward, varlen + seqused_k (virtual only)
@@ -118,12 +120,11 @@ def resolve_kernel(requested: str, *, paged: bool, dtype: torch.dtype, head_dim:
     if requested == "auto":
         if flash_attn and model_reason is None and cache_reason is None:
             return "flash-attn"
-        if model_reason is None and aten_reason is None:
-            return "aten-flash"
         if triton and dtype != torch.float32:
-            if not paged:  # paged mode's own kernel; virtual mode's fallback
-                warn_fallback(name, model_reason or aten_reason or "", "triton")
-            return "triton"
+            return "triton"  # both modes' own kernel after flash-attn
+        if model_reason is None and aten_reason is None:
+            warn_fallback(name, "Triton cannot launch kernels here", "aten-flash")
+            return "aten-flash"
         if dtype == torch.float32:
             why = model_reason or ""
         else:

@@ -51,8 +51,9 @@ def tasks(scale: Scale, raw: dict[str, Any], results: str | None = None
           ) -> list[tuple[str, Callable[[], None]]]:
     def read() -> None:
         folder = find_results(results)
+        shown = folder.relative_to(ROOT) if folder and folder.is_relative_to(ROOT) else folder
         raw.update(searched=list(SEARCH) + ([results] if results else []),
-                   folder=str(folder) if folder else None, steps={},
+                   folder=str(shown) if folder else None, steps={},
                    notes_page=("docs/gpu-results.md" if (ROOT / "docs/gpu-results.md").exists()
                                else None))
         if folder is None:
@@ -78,6 +79,19 @@ def _vmm_rows(s2: dict[str, Any]) -> list[dict[str, Any]]:
              "release_p50_us": p("release", "p50")}]
 
 
+def _decode_rows(s6: dict[str, Any]) -> list[dict[str, Any]]:
+    """s6's paged / virtual ratios, with each mode's kernel and step time."""
+    kernels = {m: s6.get(f"{m}_setup", {}).get("kernel") for m in ("virtual", "paged")}
+    times = {(r.get("mode"), r.get("batch"), r.get("context")): r for r in s6.get("rows", [])}
+    out = []
+    for r in s6.get("paged_over_virtual", []):
+        ms = {m: times.get((m, r["batch"], r["context"]), {}).get(r["timing"])
+              for m in ("virtual", "paged")}
+        out.append({**r, "virtual_kernel": kernels["virtual"], "paged_kernel": kernels["paged"],
+                    "virtual_ms": ms["virtual"], "paged_ms": ms["paged"]})
+    return out
+
+
 def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
     steps = raw["steps"]
     missing = [f"{MISSING[s]} (`{s}`)" for s in STEPS if s not in steps or
@@ -87,7 +101,7 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
             "vmm_rows": _vmm_rows(steps["s2_vmm_latency"]) if "s2_vmm_latency" in steps else [],
             "mapper": steps.get("s2_vmm_latency", {}).get("data", {}).get("mapper"),
             "twins": steps.get("s7_twins", {}).get("data", {}).get("rows", []),
-            "decode": steps.get("s6_decode", {}).get("data", {}).get("paged_over_virtual", []),
+            "decode": _decode_rows(steps.get("s6_decode", {}).get("data", {})),
             "device": raw.get("summary", {}).get("device")}
 
 
@@ -107,9 +121,12 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
         figures.append(Figure(
             name="gpu-decode", question="On the GPU, is a whole decode step of an 8B-shaped "
             "model slower with a block table?",
-            columns=["batch", "context", "timing", "paged / virtual"],
-            rows=[[r["batch"], r["context"], r["timing"], r["paged_over_virtual"]]
-                  for r in s["decode"]], command=s["command"], draw=None))
+            columns=["batch", "context", "timing", "virtual kernel", "virtual ms",
+                     "paged kernel", "paged ms", "paged / virtual"],
+            rows=[[r["batch"], r["context"], r["timing"], r.get("virtual_kernel"),
+                   r.get("virtual_ms"), r.get("paged_kernel"), r.get("paged_ms"),
+                   r["paged_over_virtual"]] for r in s["decode"]], command=s["command"],
+            draw=None))
     if s["mapper"]:
         m = s["mapper"]
         figures.append(Figure(

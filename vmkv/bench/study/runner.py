@@ -98,13 +98,17 @@ def run(out: Path, scale: Scale, *, out_arg: str | None = None, parts: Sequence[
                          f"{', '.join(PART_NAMES)}")
     out_arg = out_arg or str(out)
     doc = load(out)
-    doc["environment"] = describe(tlb_readable())
+    here = describe(tlb_readable())
+    wanted = [] if render_only else [p for p in PARTS if _wanted(p, doc, scale, parts, force)]
+    if "environment" not in doc or any(p is not gpu for p in wanted):
+        # the gpu part reads results measured on another machine: it leaves the host's record
+        doc["environment"] = here
     doc["study"] = {"command": study_command(scale, out_arg), "scale": scale.name,
                     "full_command": study_command(FULL, out_arg),
                     "parts": {name: number for number, name in enumerate(PART_NAMES, 1)}}
     failed = False
     for number, part in enumerate(PARTS, 1):
-        if render_only or not _wanted(part, doc, scale, parts, force):
+        if part not in wanted:
             continue
         minutes = dict(scale.expected_min).get(part.NAME)
         if progress and minutes:
@@ -113,7 +117,7 @@ def run(out: Path, scale: Scale, *, out_arg: str | None = None, parts: Sequence[
         try:
             doc["parts"][part.NAME] = measure(part, number, scale, out_arg,
                                               progress=progress, gpu_results=gpu_results,
-                                              commit=doc["environment"]["commit"])
+                                              commit=here["commit"])
         except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
             failed = True
             doc["parts"][part.NAME] = {"number": number, "title": part.TITLE,
