@@ -39,8 +39,9 @@ BACKENDS: dict[str, Callable[[KVCacheManager, str | None], AttentionBackend]] = 
 def create_attention_backend(kv: KVCacheManager, kernel: str | None = None) -> AttentionBackend:
     """The backend for ``kv``'s device, over ``kv``'s mode.
 
-    CPU: a batched in-place decode kernel and SDPA. CUDA: FlashAttention-2 on the slot views
-    (virtual) or the paged Triton twin / flash-attn block tables (paged). ``kernel`` (CUDA only;
+    CPU: a batched in-place decode kernel and SDPA. CUDA: flash-attn, else the Triton twins
+    (contiguous slots for virtual, block tables for paged), else FlashAttention-2 (aten) on
+    the slot views (virtual). ``kernel`` (CUDA only;
     default ``$VMKV_ATTENTION_BACKEND`` or "auto") picks the CUDA kernel: "auto", "flash",
     "flash-attn", "aten-flash", "triton", "sdpa" (see :mod:`vmkv.attention.kernel_choice`).
     """
