@@ -183,3 +183,24 @@ def test_counters_count_faults_and_parse_perf() -> None:
     assert _parse_perf_csv("<not supported>,,dTLB-load-misses,0,100.00,,\n"
                            "12345,,iTLB-load-misses,1000,100.00,,\n") == {
         "dTLB-load-misses": "not supported", "iTLB-load-misses": 12345}
+
+
+def test_gpu_decode_rows_pair_each_mode_with_its_default_kernel() -> None:
+    """s6 times virtual with its default kernel and with aten-flash over one fill: the study's
+    ratio uses the defaults and shows FA2 beside them."""
+    s6 = {"virtual_setup": {"kernel": "triton"}, "paged_setup": {"kernel": "triton"},
+          "rows": [{"mode": "virtual", "kernel": "triton", "batch": 32, "context": 8192,
+                    "graph_ms": 14.5},
+                   {"mode": "virtual", "kernel": "aten-flash", "batch": 32, "context": 8192,
+                    "graph_ms": 19.9},
+                   {"mode": "paged", "kernel": "triton", "batch": 32, "context": 8192,
+                    "graph_ms": 15.0}],
+          "paged_over_virtual": [{"batch": 32, "context": 8192, "timing": "graph_ms",
+                                  "paged_over_virtual": 15.0 / 14.5}]}
+    (row,) = gpu._decode_rows(s6)
+    assert (row["virtual_ms"], row["paged_ms"], row["virtual_aten_flash_ms"]) == (14.5, 15.0, 19.9)
+    old = {**s6, "virtual_setup": {"kernel": "aten-flash"},  # before rows named their kernel
+           "rows": [{k: v for k, v in r.items() if k != "kernel"} for r in s6["rows"][1:]]}
+    (row,) = gpu._decode_rows(old)
+    assert (row["virtual_ms"], row["paged_ms"]) == (19.9, 15.0)
+    assert "virtual_aten_flash_ms" not in row

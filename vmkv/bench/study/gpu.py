@@ -82,13 +82,19 @@ def _vmm_rows(s2: dict[str, Any]) -> list[dict[str, Any]]:
 def _decode_rows(s6: dict[str, Any]) -> list[dict[str, Any]]:
     """s6's paged / virtual ratios, with each mode's kernel and step time."""
     kernels = {m: s6.get(f"{m}_setup", {}).get("kernel") for m in ("virtual", "paged")}
-    times = {(r.get("mode"), r.get("batch"), r.get("context")): r for r in s6.get("rows", [])}
+    times = {(r.get("mode"), r.get("kernel", kernels.get(r.get("mode"))), r.get("batch"),
+              r.get("context")): r for r in s6.get("rows", [])}
     out = []
     for r in s6.get("paged_over_virtual", []):
-        ms = {m: times.get((m, r["batch"], r["context"]), {}).get(r["timing"])
-              for m in ("virtual", "paged")}
-        out.append({**r, "virtual_kernel": kernels["virtual"], "paged_kernel": kernels["paged"],
-                    "virtual_ms": ms["virtual"], "paged_ms": ms["paged"]})
+        def ms(mode: str, kernel: str | None, r: dict[str, Any] = r) -> float | None:
+            return times.get((mode, kernel, r["batch"], r["context"]), {}).get(r["timing"])
+
+        row = {**r, "virtual_kernel": kernels["virtual"], "paged_kernel": kernels["paged"],
+               "virtual_ms": ms("virtual", kernels["virtual"]),
+               "paged_ms": ms("paged", kernels["paged"])}
+        if kernels["virtual"] != "aten-flash":  # s6 also times FA2 on the slot views
+            row["virtual_aten_flash_ms"] = ms("virtual", "aten-flash")
+        out.append(row)
     return out
 
 
@@ -118,15 +124,17 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
             rows=[[r["batch"], r["context"], r["block"], *(r.get(k) for k in keys)]
                   for r in s["twins"]], command=s["command"], draw=None))
     if s["decode"]:
+        fa2 = any(r.get("virtual_aten_flash_ms") is not None for r in s["decode"])
         figures.append(Figure(
             name="gpu-decode", question="On the GPU, is a whole decode step of an 8B-shaped "
             "model slower with a block table?",
             columns=["batch", "context", "timing", "virtual kernel", "virtual ms",
-                     "paged kernel", "paged ms", "paged / virtual"],
+                     "paged kernel", "paged ms", "paged / virtual",
+                     *(["virtual aten-flash ms"] if fa2 else [])],
             rows=[[r["batch"], r["context"], r["timing"], r.get("virtual_kernel"),
                    r.get("virtual_ms"), r.get("paged_kernel"), r.get("paged_ms"),
-                   r["paged_over_virtual"]] for r in s["decode"]], command=s["command"],
-            draw=None))
+                   r["paged_over_virtual"], *([r.get("virtual_aten_flash_ms")] if fa2 else [])]
+                  for r in s["decode"]], command=s["command"], draw=None))
     if s["mapper"]:
         m = s["mapper"]
         figures.append(Figure(
