@@ -251,6 +251,8 @@ def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Mon
         assert resolve_virtual_kernel("auto", fp32, 128, **ok) == "sdpa"
         assert resolve_virtual_kernel("aten-flash", fp32, 128, **ok) == "sdpa"
         assert resolve_virtual_kernel("auto", bf16, 72 + 4, **ok) == "triton"  # head_dim % 8
+        assert resolve_virtual_kernel("auto", bf16, 128,
+                                      **{**ok, "rows_fit_int32": False}) == "triton"
         assert resolve_virtual_kernel("auto", bf16, 72 + 4,
                                       **{**ok, "triton": False}) == "sdpa"
         assert resolve_virtual_kernel("auto", bf16, 128, **{**ok, "triton": False,

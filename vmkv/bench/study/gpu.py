@@ -82,18 +82,19 @@ def _vmm_rows(s2: dict[str, Any]) -> list[dict[str, Any]]:
 def _decode_rows(s6: dict[str, Any]) -> list[dict[str, Any]]:
     """s6's paged / virtual ratios, with each mode's kernel and step time."""
     kernels = {m: s6.get(f"{m}_setup", {}).get("kernel") for m in ("virtual", "paged")}
+    # (mode, kernel, batch, context) -> row; rows before 2026-12-04 name no kernel: the default
     times = {(r.get("mode"), r.get("kernel", kernels.get(r.get("mode"))), r.get("batch"),
               r.get("context")): r for r in s6.get("rows", [])}
     out = []
     for r in s6.get("paged_over_virtual", []):
-        def ms(mode: str, kernel: str | None, r: dict[str, Any] = r) -> float | None:
-            return times.get((mode, kernel, r["batch"], r["context"]), {}).get(r["timing"])
-
+        ms = {(m, k): times.get((m, k, r["batch"], r["context"]), {}).get(r["timing"])
+              for m, k in (("virtual", kernels["virtual"]), ("paged", kernels["paged"]),
+                           ("virtual", "aten-flash"))}
         row = {**r, "virtual_kernel": kernels["virtual"], "paged_kernel": kernels["paged"],
-               "virtual_ms": ms("virtual", kernels["virtual"]),
-               "paged_ms": ms("paged", kernels["paged"])}
+               "virtual_ms": ms["virtual", kernels["virtual"]],
+               "paged_ms": ms["paged", kernels["paged"]]}
         if kernels["virtual"] != "aten-flash":  # s6 also times FA2 on the slot views
-            row["virtual_aten_flash_ms"] = ms("virtual", "aten-flash")
+            row["virtual_aten_flash_ms"] = ms["virtual", "aten-flash"]
         out.append(row)
     return out
 
