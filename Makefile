@@ -7,6 +7,9 @@ PIP := $(PY) -m pip
 export OMP_WAIT_POLICY ?= PASSIVE
 export GOMP_SPINCOUNT ?= 20000
 PYTEST_ARGS ?=
+# the suite's files run on this many pytest-xdist workers, each on its share of the cores
+# (tests/conftest.py): a worker spends much of a file single-threaded (Python, HTTP, start-ups)
+TEST_WORKERS ?= 2
 MODEL ?=
 SERVE_ARGS ?=
 
@@ -21,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: $(VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/vmkv serve $(MODEL) $(SERVE_ARGS)

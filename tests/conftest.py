@@ -1,6 +1,7 @@
-"""Test set-up: quiet OpenMP before torch loads, eager engines; `gpu` tests skip without CUDA;
-the default model; and the skip policy (tests/skip_policy.py): with ``--only-hardware-skips``
-the run fails when any test skipped for a reason other than missing hardware."""
+"""Test set-up: quiet OpenMP before torch loads (each xdist worker on its share of the cores),
+eager engines; `gpu` tests skip without CUDA; the default model; and the skip policy
+(tests/skip_policy.py): with ``--only-hardware-skips`` the run fails when any test skipped for a
+reason other than missing hardware."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ os.environ.setdefault("VMKV_COMPILE", "0")
 # hardware otherwise): the equality checks against float32 transformers need it; the bfloat16
 # tests ask for bfloat16 explicitly
 os.environ.setdefault("VMKV_AUTO_DTYPE", "float32")
+# `make test` runs the files on pytest-xdist workers (one file per worker at a time): each worker
+# gets its share of the cores, so two workers' OpenMP teams never contend for the same ones
+# (inherited by the servers and replicas the tests launch)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 import pytest  # noqa: E402
 import skip_policy  # noqa: E402

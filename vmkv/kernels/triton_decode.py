@@ -37,6 +37,11 @@ from vmkv.kernels.launch import launch
 __all__ = ["decode_contiguous", "decode_paged", "prefill_contiguous", "prefill_paged"]
 
 LOG2E = 1.4426950408889634
+#: integer arguments whose values vary from step to step. Triton compiles a variant per integer
+#: argument class (== 1, divisible by 16, other): the block table's width (``stride_index``)
+#: moving from 16 to 17 blocks recompiled the paged kernel in the middle of a run (0.4-0.65 s
+#: of one step on an H200, docs/gpu-results.md), so it is passed unspecialised.
+UNSPECIALIZED = ("stride_index",)
 
 
 @triton.jit
@@ -66,7 +71,7 @@ def _index_base(Index, b, stride_index, PAGED: tl.constexpr):
         return tl.load(Index + b).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _decode_kernel(
     Q, K, V, Out, Index, SeqLens, PartOut, PartLse,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -157,7 +162,7 @@ def _merge_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _prefill_kernel(
     Q, K, V, Out, Index, SeqLens, CuSeqlensQ,
     stride_qt, stride_qh, stride_ot, stride_oh,
