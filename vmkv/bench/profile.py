@@ -28,10 +28,11 @@ themselves while profiled (``clock_gettime`` around each GEMM); the rest of them
 (1 - process CPU time / (wall x threads)): waiting, not working.
 
 Rooflines, measured on this machine in the same run: FLOPs / the linear backend's rate on a
-2048^3 product in the engine's dtype, and bytes / the copy bandwidth of a 256 MiB tensor.
-Attention takes the larger of its FLOPs (QK and PV over every causal pair) and its bytes (each
-request's K/V read once); the K/V write writes the new rows; glue reads and writes the
-activations about ``GLUE_PASSES`` times per layer; the sampler reads the logits.
+2048^3 product in the engine's dtype; bytes read / the read bandwidth of a 256 MiB tensor (a
+sum over it); bytes read and written / its copy bandwidth (both directions counted). Attention
+takes the larger of its FLOPs (QK and PV over every causal pair) and its reads (each request's
+K/V once); the K/V write writes the new rows; glue reads and writes the activations about
+``GLUE_PASSES`` times per layer; the sampler reads the logits.
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ class StepTimer:
 
 
 def machine_rates(linear_backend: str, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """GEMM rate (FLOP/s) of the linear backend in ``dtype`` at 2048^3, and copy bandwidth
-    (bytes/s)."""
+    """GEMM rate (FLOP/s) of the linear backend in ``dtype`` at 2048^3; copy bandwidth (bytes
+    read plus bytes written per second) and read bandwidth (bytes/s) over 256 MiB."""
     from vmkv.models.linear import pack_linears
 
     n = 2048
@@ -164,8 +165,11 @@ def machine_rates(linear_backend: str, dtype: torch.dtype = torch.float32) -> di
     src = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
     dst = torch.empty_like(src)
     copy_ms = min(call_ms(lambda: dst.copy_(src)) for _ in range(5))
+    # attention and the sampler only read: their rooflines use a read-only stream's rate
+    read_ms = min(call_ms(lambda: src.sum()) for _ in range(5))
     return {"gemm_flops_per_s": 2 * n**3 / (gemm_ms / 1e3),
-            "bandwidth_bytes_per_s": 2 * src.numel() * 4 / (copy_ms / 1e3)}
+            "bandwidth_bytes_per_s": 2 * src.numel() * 4 / (copy_ms / 1e3),
+            "read_bytes_per_s": src.numel() * 4 / (read_ms / 1e3)}
 
 
 def rooflines(engine: Any, phase: dict[str, Any], rates: dict[str, float]) -> dict[str, float]:
@@ -178,13 +182,14 @@ def rooflines(engine: Any, phase: dict[str, Any], rates: dict[str, float]) -> di
     glue_elems = (2 * 2 * cfg.hidden_size + 2 * 3 * cfg.hidden_size
                   + 2 * (cfg.q_size + cfg.kv_size) + 3 * cfg.intermediate_size)
     bw, flops = rates["bandwidth_bytes_per_s"], rates["gemm_flops_per_s"]
+    read = rates["read_bytes_per_s"]
     return {
         "gemm": phase["gemm_flops"] / flops * 1e3,
         "lm_head": phase["lm_head_flops"] / flops * 1e3,
-        "attention": max(attn_flops / flops, phase["kv_tokens_read"] * per_token_kv / bw) * 1e3,
+        "attention": max(attn_flops / flops, phase["kv_tokens_read"] * per_token_kv / read) * 1e3,
         "kv_write": tokens * per_token_kv / bw * 1e3,
         "glue": tokens * cfg.num_layers * glue_elems * itemsize / bw * 1e3,
-        "sampler": sampled * cfg.vocab_size * 4 / bw * 1e3,
+        "sampler": sampled * cfg.vocab_size * 4 / read * 1e3,
         "engine_python": 0.0,
     }
 
