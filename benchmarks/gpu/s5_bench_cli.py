@@ -59,6 +59,23 @@ def cli(res: Result, name: str, args: list[str], timeout: float) -> dict | None:
     return None
 
 
+def slowest_steps(result: dict) -> dict[str, dict[str, float]]:
+    """Each mode's slowest step (ms, its index) and median step from the runs' step traces
+    (``trace.t``: seconds since the run's start after each step). A step far above its
+    neighbours is a stall inside the run: the first H200 runs had paged's second step at
+    457-716 ms among 49-66 ms prefills, a Triton recompile at a new block-table width."""
+    out: dict[str, dict[str, float]] = {}
+    for run in result.get("runs", []):
+        t = (run.get("trace") or {}).get("t") or []
+        steps = [(b - a) * 1e3 for a, b in zip([0.0, *t[:-1]], t, strict=True)]
+        if not steps:
+            continue
+        worst = max(range(len(steps)), key=steps.__getitem__)
+        out[run["mode"]] = {"ms": steps[worst], "step": worst,
+                            "median_ms": sorted(steps)[len(steps) // 2]}
+    return out
+
+
 def main(res: Result) -> None:
     import transformers
 
@@ -96,10 +113,15 @@ def main(res: Result) -> None:
                  timeout=max(10.0, left() - 25))
     if result is not None:
         res.record("throughput_summary", result.get("summary"))
+        slowest = slowest_steps(result)
+        res.record("slowest_steps", slowest)
         summary = result.get("summary") or {}
         if "virtual" in summary and "paged" in summary:
             v, p = (summary[m].get("output_tokens_per_s", 0) for m in ("virtual", "paged"))
             res.headline = f"throughput virtual {v:.0f} vs paged {p:.0f} output tok/s"
+            if all(m in slowest for m in ("virtual", "paged")):
+                res.headline += (f"; slowest step {slowest['virtual']['ms']:.0f} / "
+                                 f"{slowest['paged']['ms']:.0f} ms")
     kern = ["bench", "kernels", "--batch-sizes", "1,32,128", "--context-lens", "1024,16384",
             "--max-tokens", "0", "--phases", "decode,prefill", "--repeats", "5",
             "--warmup", "2", "--no-progress"]
