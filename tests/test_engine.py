@@ -260,15 +260,20 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
         "model runs eagerly")
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("VMKV_COMPILE", "1")
+    import torch._dynamo
     from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # this engine's warm-up compiles its own graphs, whatever ran before
     counters.clear()
     llm = make_llm("virtual")
     assert llm.engine.executor.worker.compiled
     assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
     assert_nothing_held(llm.engine)  # the warm-up request is gone
-    # warm-up traced at most one graph (none if an earlier engine in this process left one)
+    # the warm-up's steps of 2 and 1 tokens trace one graph, or two where torch's compile cache
+    # hands the first step a graph guarded on T >= 2 (another engine compiled it earlier in
+    # this process: a tensor-parallel test's, on the same xdist worker)
     warm_up_graphs = counters["stats"]["unique_graphs"]
-    assert warm_up_graphs <= 1
+    assert 1 <= warm_up_graphs <= 2
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
     alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
