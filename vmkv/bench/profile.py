@@ -162,8 +162,9 @@ def machine_rates(linear_backend: str, dtype: torch.dtype = torch.float32) -> di
     x = torch.randn(n, n, dtype=dtype)
     with torch.inference_mode():
         gemm_ms = min(call_ms(lambda: lin(x)) for _ in range(5))
-    src = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
-    dst = torch.empty_like(src)
+    # written first: an untouched allocation maps the one shared zero page, read from cache
+    src = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
+    dst = torch.zeros_like(src)
     copy_ms = min(call_ms(lambda: dst.copy_(src)) for _ in range(5))
     # attention and the sampler only read: their rooflines use a read-only stream's rate
     read_ms = min(call_ms(lambda: src.sum()) for _ in range(5))
