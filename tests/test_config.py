@@ -84,18 +84,17 @@ def test_cache_config_is_a_view_of_the_engine_config() -> None:
                           kv_layout="per-layer", max_idle_memory=0, device="cuda")
     assert config.cache == CacheConfig(kv_mode="paged", kv_cache_memory=1 << 20, block_size=32,
                                        kv_layout="per-layer", max_idle_memory=0, precreate=True)
-    # the same defaults, but engines on the CPU premap 2 pages, have 128-token blocks (as
-    # vLLM-cpu) and pre-create unless told not
-    assert EngineConfig().cache == CacheConfig(premap_pages=2, block_size=128, precreate=True)
+    # the same defaults, but engines on the CPU have 128-token blocks (as vLLM-cpu) and
+    # pre-create unless told not; premap_pages is left to the cache's builder (by layout)
+    assert EngineConfig().cache == CacheConfig(block_size=128, precreate=True)
     assert EngineConfig(device="cuda").cache.block_size == 16
     assert EngineConfig(block_size=16).cache.block_size == 16
     assert not EngineConfig(precreate_pages=False).cache.precreate
     assert not EngineConfig(max_idle_memory=0).cache.precreate  # elastic memory asked for
     assert EngineConfig(max_idle_memory=0, precreate_pages=True).cache.precreate
-    assert EngineConfig(device="cuda").cache.premap_pages == 0
     assert EngineConfig(premap_pages=0).cache.premap_pages == 0
     for f in fields(CacheConfig):
-        if f.name not in ("precreate", "premap_pages", "block_size"):  # None: by device
+        if f.name not in ("precreate", "block_size"):  # None: by device
             assert f.default == EngineConfig.__dataclass_fields__[f.name].default, f.name
 
 

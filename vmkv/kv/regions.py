@@ -5,7 +5,13 @@
     happens in all regions or in none (:meth:`RegionGroup._lockstep` is the one rollback)
 
 Each region is a :class:`~vmkv.memory.region.VirtualRegion` whose first ``anchor_pages`` pages
-are mapped to the backend's anchor page for its lifetime.
+are mapped to the backend's anchor page for its lifetime. Their va -> physical tables are the rows
+of one ``[regions, pages]`` array, so a lockstep growth is read and written in one go.
+
+With one pool partition per region (the per-layer layout), a growth is *mirrored*: region 0's
+allocation decides, and region ``r`` takes the same pages of its own partition (page ``p`` of
+region 0 is page ``p + r * partition_size`` there), with one VMA count and one table write for
+all regions; when one of those pages is not free the regions allocate one by one instead.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from vmkv.kv.spec import VirtualLayout
 from vmkv.memory.base import rolled_back
 from vmkv.memory.errors import MappingBudgetExceeded, VmmError
 from vmkv.memory.pool import PagePool
-from vmkv.memory.region import UNMAPPED, VirtualRegion
+from vmkv.memory.region import UNMAPPED, VirtualRegion, count_vmas_rows, runs_of
 
 
 class RegionGroup:
@@ -34,12 +40,20 @@ class RegionGroup:
         # a pool split into one partition per region keeps each region's pages physically
         # adjacent (long runs, few VMAs)
         per_region = pool.partitions == layout.num_regions
+        region_bytes = num_va_slots * layout.slot_bytes
+        #: [regions, va pages] physical page per va page (UNMAPPED: none); row r is region r's
+        self.table = np.full((layout.num_regions, region_bytes // pool.page_size), UNMAPPED,
+                             dtype=np.int64)
         self.regions = [
-            VirtualRegion(pool, num_va_slots * layout.slot_bytes, name=f"kv-region-{i}",
+            VirtualRegion(pool, region_bytes, name=f"kv-region-{i}",
                           partition=i if per_region else 0,
-                          anchor_pages=layout.pages_for(1))  # every view's base row
+                          anchor_pages=layout.pages_for(1),  # every view's base row
+                          page_at=self.table[i])
             for i in range(layout.num_regions)
         ]
+        # [regions] what a mirrored growth adds to region 0's page ids (None: not mirrored)
+        self._mirror = (np.arange(layout.num_regions, dtype=np.int64) * pool.partition_size
+                        if per_region and layout.num_regions > 1 else None)
 
     def __len__(self) -> int:
         return len(self.regions)
@@ -64,10 +78,78 @@ class RegionGroup:
             exact = None if pages is None else list(pages[r])
             return region.map_new(va_page, num, exact) is not None
 
-        if not self._lockstep(va_page, num, map_one):
+        mapped = self._map_mirrored(va_page, num) if pages is None else None
+        if mapped is None:
+            mapped = self._lockstep(va_page, num, map_one)
+        if mapped:
+            self._log(MapPages(va_page, tuple(map(tuple, self.pages(va_page, num))), fresh=True))
+        return mapped
+
+    def _map_mirrored(self, va_page: int, num: int) -> bool | None:
+        """:meth:`map_new` as one mirrored growth (module docstring); None (nothing changed)
+        where it does not apply: no mirror, anchored neighbours, a mirrored page not free or
+        the range not unmapped (the region-by-region path then decides, or raises)."""
+        lead, mirror, pool = self.regions[0], self._mirror, self.pool
+        lo, hi = va_page - 1, min(va_page + num + 1, lead.num_pages)
+        if mirror is None or num <= 0 or lo < lead.anchor_pages or va_page + num > hi:
+            return None
+        window = self.table[:, lo:hi]  # [R, w] the range and its neighbours
+        if (window[:, 1 : 1 + num] != UNMAPPED).any():
+            return None
+        prev = int(window[0, 0])
+        first = pool.allocate(num, prev + 1 if prev != UNMAPPED else None, lead.partition)
+        if first is None:
             return False
-        self._log(MapPages(va_page, tuple(map(tuple, self.pages(va_page, num))), fresh=True))
+        new = np.asarray(first, dtype=np.int64)[None, :] + mirror[:, None]  # [R, num]
+        try:
+            mirrored = pool.take_if_free(new[1:].ravel())
+        except BaseException:  # a page could not be created: region 0's go back too
+            mirrored = False
+            raise
+        finally:
+            if not mirrored:
+                for page in first:
+                    pool.release(page)
+        if not mirrored:
+            return None
+        after = window.copy()
+        after[:, 1 : 1 + num] = new
+        delta = count_vmas_rows(after) - count_vmas_rows(window)  # [R] VMAs each region gains
+        total = int(delta.sum())
+        budget = pool.max_vmas
+        try:
+            if budget is not None and total > 0 and pool.num_vmas + total > budget:
+                raise MappingBudgetExceeded(f"a growth would need {pool.num_vmas + total} "
+                                            f"VMAs, over the budget of {budget}")
+            self._map_runs(runs_of(va_page, first), mirror.tolist())
+        except BaseException as exc:
+            for page in new.ravel().tolist():
+                pool.release(page)
+            if isinstance(exc, MappingBudgetExceeded):
+                return False
+            raise
+        window[:, 1 : 1 + num] = new
+        for region, gained in zip(self.regions, delta.tolist(), strict=True):
+            region.num_mapped += num
+            region.add_vmas(gained)
         return True
+
+    def _map_runs(self, runs: list[tuple[int, int, int]], shifts: list[int]) -> None:
+        """Map region 0's ``runs`` (va page, first physical page, count) in every region ``r``,
+        its pages shifted by ``shifts[r]``; all or nothing (what landed is unmapped again
+        before raising)."""
+        backend, ps = self.pool.backend, self.pool.page_size
+        done: list[tuple[int, int]] = []  # (va, pages) mapped so far
+        try:
+            for region, shift in zip(self.regions, shifts, strict=True):
+                for start, first, count in runs:
+                    va = region.base + start * ps
+                    backend.map_run(va, first + shift, count)
+                    done.append((va, count))
+        except BaseException:
+            for va, count in done:  # nothing read them yet: no synchronize needed
+                rolled_back(lambda va=va, count=count: backend.unmap_run(va, count))
+            raise
 
     def map_shared(self, va_page: int, pages: Sequence[Sequence[int]]) -> bool:
         """Map ``pages[r]`` (pages already in use) at ``va_page`` of region ``r``; False
@@ -157,11 +239,11 @@ class RegionGroup:
     # -- reading ----------------------------------------------------------------------------------
     def pages_at(self, va_page: int) -> tuple[int, ...]:
         """The physical page at ``va_page`` of each region."""
-        return tuple(int(r.page_at[va_page]) for r in self.regions)
+        return tuple(self.table[:, va_page].tolist())
 
     def pages(self, va_page: int, num: int) -> list[list[int]]:
         """Per region, the physical pages of ``[va_page, va_page+num)``."""
-        return [[int(p) for p in r.page_at[va_page : va_page + num]] for r in self.regions]
+        return self.table[:, va_page : va_page + num].tolist()
 
     def byte_views(self, va_page: int, num: int) -> list[torch.Tensor]:
         """Per region, the bytes of ``num`` pages at ``va_page`` (touch only mapped pages)."""

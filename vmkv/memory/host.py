@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import mmap as _mmap
 import os
+import time
 
 import torch
 
@@ -149,15 +150,16 @@ class HostMemoryBackend(MemoryBackend):
 
     # -- mapping -----------------------------------------------------------------------------
     def map_run(self, va: int, first_page: int, num_pages: int) -> None:
-        n = num_pages * self.page_size
-        flags = MAP_SHARED | MAP_FIXED
-        call = f"mmap(map {num_pages} pages at {va:#x})"
-        self.faults.check("map", call)
-        with self.stats.timed("map", num_pages):
-            got = _libc.mmap(va, n, PROT_READ | PROT_WRITE, flags, self._fd,
-                             first_page * self.page_size)
-            if got != va:
-                raise _os_error(call)
+        # the hot path of every growth (one call per region): timed inline, and the message
+        # is formatted only when needed
+        if self.faults.armed:
+            self.faults.check("map", f"mmap(map {num_pages} pages at {va:#x})")
+        start = time.perf_counter_ns()
+        got = _libc.mmap(va, num_pages * self.page_size, PROT_READ | PROT_WRITE,
+                         MAP_SHARED | MAP_FIXED, self._fd, first_page * self.page_size)
+        if got != va:
+            raise _os_error(f"mmap(map {num_pages} pages at {va:#x})")
+        self.stats.ops["map"].record(num_pages, time.perf_counter_ns() - start)
 
     def map_anchor(self, va: int, num_pages: int) -> None:
         ps, anchor = self.page_size, self.max_pages * self.page_size
@@ -167,11 +169,11 @@ class HostMemoryBackend(MemoryBackend):
                 raise _os_error(f"mmap(anchor at {va + i * ps:#x})")
 
     def unmap_run(self, va: int, num_pages: int) -> None:
-        n = num_pages * self.page_size
-        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
-        with self.stats.timed("unmap", num_pages):
-            if _libc.mmap(va, n, PROT_NONE, flags, -1, 0) != va:
-                raise _os_error(f"mmap(unmap {num_pages} pages at {va:#x})")
+        start = time.perf_counter_ns()
+        if _libc.mmap(va, num_pages * self.page_size, PROT_NONE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != va:
+            raise _os_error(f"mmap(unmap {num_pages} pages at {va:#x})")
+        self.stats.ops["unmap"].record(num_pages, time.perf_counter_ns() - start)
 
     # -- access ------------------------------------------------------------------------------
     def as_tensor(self, base: int, nbytes: int) -> torch.Tensor:

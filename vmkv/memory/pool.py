@@ -180,6 +180,29 @@ class PagePool:
                 self.release(page)
             raise
 
+    def take_if_free(self, pages: np.ndarray) -> bool:
+        """Take exactly ``pages`` (distinct ids, ``ref_cnt`` 1 each) if every one is free now;
+        False (nothing taken) if one is not. One vectorised update when all are created (the
+        lockstep growth of many regions at once), else :meth:`take`'s page-by-page path."""
+        if not self._free_mask[pages].all():
+            return False
+        ids = pages.tolist()
+        created = self._created
+        if not all(created[page] for page in ids):
+            self.take(ids)
+            return True
+        self._idle.difference_update(ids)
+        ref_cnt = self.ref_cnt
+        for page in ids:
+            ref_cnt[page] = 1
+        self.num_in_use += len(ids)
+        taken = np.bincount(pages // self.partition_size, minlength=self.partitions)
+        for part in np.flatnonzero(taken).tolist():
+            self._free_in[part] -= int(taken[part])
+        self._free_mask[pages] = False
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+        return True
+
     def retain(self, page: int) -> None:
         """Add a reference to a page already in use."""
         if self.ref_cnt[page] <= 0:

@@ -33,7 +33,9 @@ class VirtualRegion:
     """``num_pages`` pages of reserved virtual address space over a :class:`PagePool`."""
 
     def __init__(self, pool: PagePool, nbytes: int, name: str = "", partition: int = 0,
-                 anchor_pages: int = 0) -> None:
+                 anchor_pages: int = 0, page_at: np.ndarray | None = None) -> None:
+        """``page_at``: the ``int64`` va page -> physical page table to keep (all UNMAPPED; a
+        row of a :class:`~vmkv.kv.regions.RegionGroup`'s table), or None for a new one."""
         ps = pool.page_size
         if nbytes <= 0 or nbytes % ps:
             raise ValueError(
@@ -48,7 +50,11 @@ class VirtualRegion:
         self.nbytes = nbytes
         self.num_pages = nbytes // ps
         self.base = self.backend.reserve(nbytes)
-        self.page_at = np.full(self.num_pages, UNMAPPED, dtype=np.int64)  # va page -> phys page
+        if page_at is None:
+            page_at = np.full(self.num_pages, UNMAPPED, dtype=np.int64)
+        elif page_at.shape != (self.num_pages,) or (page_at != UNMAPPED).any():
+            raise ValueError(f"page_at must be {self.num_pages} UNMAPPED entries")
+        self.page_at = page_at  # va page -> phys page
         self.num_mapped = 0
         self.anchor_pages = anchor_pages
         if anchor_pages:
@@ -119,7 +125,7 @@ class VirtualRegion:
                              "which are not all mapped")
         old = [int(p) for p in pages]
         delta = self._vmas_delta(va_page, num, None)
-        for start, _, count in _runs(va_page, old):
+        for start, _, count in runs_of(va_page, old):
             self.backend.unmap_run(self.va_of(start), count)
             self.page_at[start : start + count] = UNMAPPED
         self.num_mapped -= num
@@ -181,17 +187,21 @@ class VirtualRegion:
             )
         done = 0
         try:
-            for start, first, count in _runs(va_page, pages):
+            for start, first, count in runs_of(va_page, pages):
                 self.backend.map_run(self.va_of(start), first, count)
                 self.page_at[start : start + count] = np.arange(first, first + count)
                 done += count
         except BaseException:
             if done:  # undo the part that landed so the table matches the backend
-                for start, _, count in _runs(va_page, pages[:done]):
+                for start, _, count in runs_of(va_page, pages[:done]):
                     self.backend.unmap_run(self.va_of(start), count)
                 self.page_at[va_page : va_page + done] = UNMAPPED
             raise
         self.num_mapped += len(pages)
+        self._add_vmas(delta)
+
+    def add_vmas(self, delta: int) -> None:
+        """Count ``delta`` more VMAs here and in the pool (a group that mapped pages itself)."""
         self._add_vmas(delta)
 
     def _add_vmas(self, delta: int) -> None:
@@ -220,12 +230,18 @@ def _count_vmas(pages: np.ndarray) -> int:
                 count += 1
             prev = page
         return count
+    return int(count_vmas_rows(pages[None])[0])
+
+
+def count_vmas_rows(pages: np.ndarray) -> np.ndarray:
+    """:func:`_count_vmas` of each row of ``pages`` ``[rows, n]``; returns ``[rows]``."""
     mapped = pages != UNMAPPED
-    same = (mapped[1:] == mapped[:-1]) & (~mapped[1:] | (pages[1:] == pages[:-1] + 1))
-    return int(len(pages) - same.sum())
+    adjacent = pages[:, 1:] == pages[:, :-1] + 1
+    same = (mapped[:, 1:] == mapped[:, :-1]) & (~mapped[:, 1:] | adjacent)
+    return pages.shape[1] - same.sum(axis=1)
 
 
-def _runs(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:
+def runs_of(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split a page list into (va_page, first_phys_page, count) physically contiguous runs."""
     runs: list[tuple[int, int, int]] = []
     for i, page in enumerate(pages):

@@ -12,7 +12,8 @@ from vmkv.bench.workloads import MIXES, Range
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: the virtual-tax variants: name -> EngineConfig fields (the rest: the engine's defaults, the
-#: KV budget of the scale, float32); "virtual" is the CPU default (per-layer, 16K, premap 2,
+#: KV budget of the scale, float32); "virtual" is the CPU default (per-layer, 16K, a growth
+#: maps 128 tokens (premap 5),
 #: every page created and touched at start-up)
 TAX_VARIANTS: dict[str, dict[str, Any]] = {
     "paged": {"kv_mode": "paged"},

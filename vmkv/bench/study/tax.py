@@ -22,7 +22,7 @@ from vmkv.bench.study.counters import tlb_readable
 from vmkv.bench.study.figure import Figure, Section
 from vmkv.bench.study.fmt import num
 from vmkv.bench.study.scale import TAX_VARIANTS, Scale
-from vmkv.config import CPU_PREMAP_PAGES, HOST_PAGE_SIZE, default_layout
+from vmkv.config import HOST_PAGE_SIZE, default_layout
 
 NAME, TITLE = "tax", "The virtual tax"
 MAPPER_ON_CPU = ("CPU engines run no background mapper: the host has nothing that computes "
@@ -53,6 +53,9 @@ def tasks(scale: Scale, raw: dict[str, Any]) -> list[tuple[str, Callable[[], Non
             TAX_VARIANTS[v])} for v in scale.tax_variants}
         with runs.built(configs) as made:
             raw["startup"] = made["startup"]
+            for v, engine in made["engines"].items():  # as resolved for this model and dtype
+                raw["variants"][v]["premap_pages"] = getattr(engine.kv, "premap_pages",
+                                                             None)
             raw["runs"] = runs.alternate(made["engines"], requests, repeats=scale.repeats,
                                          warmup=runs.warmup_requests(requests,
                                                                      scale.warmup_prompts))
@@ -124,7 +127,7 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
                                                                       "step_ms")}
     layout = default_layout("cpu")
     cpu_default = {"kv_layout": layout, "page_size": HOST_PAGE_SIZE[layout],
-                   "premap_pages": CPU_PREMAP_PAGES}
+                   "premap_pages": raw["variants"].get("virtual", {}).get("premap_pages")}
     return {"variants": variants, "profile_steps": steps, "tlb_counters": tlb_readable(),
             "cpu_default": cpu_default,
             "background_mapper": MAPPER_ON_CPU,
