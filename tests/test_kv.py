@@ -139,6 +139,75 @@ def test_per_layer_growth_is_mirrored_across_the_region_partitions() -> None:
     assert kv.usage.bytes_in_use == 0
 
 
+def _present(va: int, nbytes: int) -> list[bool]:
+    """Whether each OS page of ``[va, va+nbytes)`` has a page-table entry now (bit 63 of
+    ``/proc/self/pagemap``, readable without privileges)."""
+    import mmap
+    import struct
+
+    first, count = va // mmap.PAGESIZE, nbytes // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = struct.unpack(f"{count}Q", f.read(count * 8))
+    return [bool(e >> 63) for e in entries]
+
+
+def test_a_precreated_host_pool_warms_the_idle_slots_at_start_up() -> None:
+    """An engine's pre-created host pool spreads half its pages over the idle slots, mapped and
+    with their page-table entries present: a request that fits starts with no map call and no
+    first-access fault, a longer one grows from the free half without touching the other
+    slots, and the pages stay with the slots when requests finish."""
+    page, regions, slots = 16 * 1024, 2 * SPEC.num_layers, 4  # per-layer: 32 tokens per page
+    config = CacheConfig(kv_mode="virtual", kv_layout="per-layer", page_size=page,
+                         kv_cache_memory=regions * 32 * page, precreate=True)
+    kv = create_kv_cache(config, SPEC, num_slots=slots, max_model_len=1024)
+    assert isinstance(kv, VirtualKVCache)
+    assert kv.warm_pages == 4  # (128 pages / 2) / (4 regions x 4 slots)
+    assert kv.slots.mapped[1:] == [4] * slots and kv.pool.num_free == 64
+    populate = kv.backend.stats.ops["populate"]
+    assert (populate.calls, populate.pages) == (regions * slots, 64)
+    for slot in range(1, slots + 1):
+        for region in kv.regions:
+            assert all(_present(region.va_of(kv.layout.slot_pages * slot), 4 * page))
+    kv.check()
+
+    maps = kv.backend.stats.ops["map"].calls
+    assert kv.allocate("fits", 100)  # 4 pages: its slot's own
+    assert kv.backend.stats.ops["map"].calls == maps
+    assert kv.allocate("grows", 300)  # 10 pages: 6 more (and premap) from the free half
+    assert kv.slots.mapped[kv.slot("grows")] >= 10
+    idle = sorted(kv.slots.idle)
+    assert [kv.slots.mapped[s] for s in idle] == [4] * len(idle)  # nothing reclaimed
+    for layer in range(SPEC.num_layers):
+        for t in kv.layer_kv(layer):
+            t[kv.slot("grows"), :300] = float(layer + 1)
+    assert all(float(t[kv.slot("grows"), :300].sum()) == (layer + 1) * 300 * 128
+               for layer in range(SPEC.num_layers) for t in kv.layer_kv(layer))
+    kv.check()
+    for rid in ("fits", "grows"):
+        kv.free(rid)
+    kv.check()
+    assert kv.usage.bytes_in_use == 0
+    assert kv.pool.num_in_use == sum(kv.slots.mapped) * regions  # kept by the idle slots
+    kv.close()
+
+
+@pytest.mark.parametrize("config", [{"precreate": False}, {"precreate": True,
+                                                           "max_idle_memory": 0}])
+def test_no_slot_is_warmed_when_memory_is_created_on_demand_or_elastic(
+        config: dict[str, object]) -> None:
+    """Without a pre-created pool, or with --max-idle-memory (memory that follows live tokens),
+    the slots start empty and their address space unmapped."""
+    kv = create_kv_cache(CacheConfig(kv_mode="virtual", kv_cache_memory=1 << 20, **config),
+                         SPEC, num_slots=4, max_model_len=1024)
+    assert isinstance(kv, VirtualKVCache)
+    assert kv.warm_pages == 0 and kv.slots.mapped[1:] == [0] * 4
+    assert kv.allocate("a", 40)
+    first = kv.regions[0].va_of(kv.layout.slot_pages * kv.slot("a"))
+    assert not any(_present(first, kv.pool.page_size))  # mapped, not yet faulted in
+    kv.close()
+
+
 def test_virtual_deferred_reclamation_reuses_the_best_fitting_slot() -> None:
     kv = virtual(num_pages=32, slots=4)
     assert kv.allocate("big", 8 * 32)  # 8 pages

@@ -217,7 +217,9 @@ class EngineConfig:
         None, "virtual mode on the CPU: create and touch every physical page at start-up "
         "(one fallocate and one populating mmap of the whole budget, ~0.35 s per GiB, as paged "
         "mode allocates and zeroes its blocks), so a run pays no first-touch faults "
-        "(prompt-heavy: ~9 % faster on a 2-core VM); --no-precreate-pages creates them on "
+        "(prompt-heavy: ~9 % faster on a 2-core VM), and map half of it into the idle slots "
+        "with their page-table entries present, so a request starts in a mapped, resident "
+        "slot; --no-precreate-pages creates them on "
         "demand in chunks of 16, so memory follows live tokens; default: on, unless "
         "--max-idle-memory asks for elastic memory (CUDA engines always pre-create)")
     max_idle_memory: int | None = option(

@@ -12,6 +12,10 @@ from vmkv.kv.virtual import VirtualKVCache
 #: one region's partition instead of 16): a cold run of the vLLM workload made 54,000
 #: one-page calls (196 ms) otherwise; the extra pages wait idle, at most 16 per region
 CREATE_CHUNK = 16
+#: share of a pre-created host pool spread over the idle slots at start-up, mapped and populated
+#: (``VirtualKVCache.warm_idle_slots``), so requests start without map calls or first-access
+#: faults as paged mode's pre-zeroed tensor does; the other half stays free for growth
+WARM_SLOTS_SHARE = 0.5
 
 __all__ = [
     "LAYOUTS",
@@ -72,8 +76,10 @@ def create_kv_cache(
     premap = config.premap_pages
     if premap is None:  # the CPU: a growth maps CPU_GROWTH_TOKENS; CUDA: its mapper maps ahead
         premap = max(0, layout.pages_for(CPU_GROWTH_TOKENS) - 1) if device == "cpu" else 0
-    return VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
-                          layout=layout_name, premap_pages=premap,
-                          max_idle_pages=idle_pages,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_cache_hash=config.prefix_cache_hash)
+    kv = VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
+                        layout=layout_name, premap_pages=premap, max_idle_pages=idle_pages,
+                        enable_prefix_caching=config.enable_prefix_caching,
+                        prefix_cache_hash=config.prefix_cache_hash)
+    if config.precreate and device == "cpu" and idle_pages is None:
+        kv.warm_idle_slots(WARM_SLOTS_SHARE)
+    return kv

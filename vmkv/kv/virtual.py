@@ -24,7 +24,9 @@ Parts: :class:`~vmkv.kv.slots.SlotTable` (who holds which slot, mapped pages per
 (CUDA) may run units of :meth:`VirtualKVCache.premap_ahead` between steps; every public method
 first waits for it (:func:`_waits_for_mapper`, applied once to the class).
 
-Latency hiding: the pool may be pre-created; growth maps ``premap_pages`` extra pages when free
+Latency hiding: the pool may be pre-created, and half of it then mapped into the idle slots at
+start-up with page-table entries present (:meth:`VirtualKVCache.warm_idle_slots`, the host
+engine's default: paged mode's pre-zeroed tensor, here); growth maps ``premap_pages`` extra pages when free
 pages exist (fewer, larger map calls); finished slots keep their pages (deferred reclamation),
 also those the prefix cache holds, and a new request takes the idle slot that fits best and
 reuses its pages in place (the cache gives up the ones it held): often no map call, no page
@@ -150,6 +152,7 @@ class VirtualKVCache(KVCacheManager):
         self._num_tokens: dict[str, int] = {}
         self._saved: dict[str, list[torch.Tensor]] = {}  # a follower's swapped-out KV
         self.mapper: BackgroundMapper | None = None
+        self.warm_pages = 0  # pages per slot and region mapped at start-up (warm_idle_slots)
         if enable_prefix_caching:
             self.prefix = PrefixCaching(PageUnits(self), prefix_cache_hash)
 
@@ -244,7 +247,8 @@ class VirtualKVCache(KVCacheManager):
         return (f"virtual: {self.regions.nbytes / 2**30:,.1f} GiB reserved ({self.num_slots} "
                 f"slots x {lay.slot_tokens:,} tokens), layout {lay.name}, page "
                 f"{lay.page_size // 1024} KiB = {lay.page_size / lay.row_bytes:.2f} tokens, "
-                f"{self.pool.num_created} pages pre-created")
+                f"{self.pool.num_created} pages pre-created, {self.warm_pages} per slot and "
+                "region mapped at start-up")
 
     def memory_stats(self) -> dict[str, dict[str, float]]:
         return self.backend.stats.as_dict()
@@ -360,6 +364,33 @@ class VirtualKVCache(KVCacheManager):
             raise
         self._hold_slot(request_id, slot, self.num_tokens(request_id) + num_new_tokens)
         return True
+
+    def warm_idle_slots(self, share: float) -> int:
+        """Spread ``share`` of the free pool evenly over the empty idle slots, mapped and with
+        their page-table entries present (:meth:`MemoryBackend.populate`), as paged mode's one
+        zeroed block tensor is before its first step: a request then starts in a slot that is
+        mapped and resident, and maps (and faults) only past its share. The rest of the pool
+        stays free, so a request that outgrows its share takes free pages, not another slot's.
+        A start-up step (nothing is recorded for followers: every rank warms the same way);
+        stops early where the VMA budget runs out. Returns the pages each slot got per region.
+        """
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be in [0, 1], got {share}")
+        empty = [s for s in sorted(self.slots.idle) if self.slots.mapped[s] == 0]
+        regions = len(self.regions)
+        per_slot = min(self.layout.slot_pages,
+                       int(self.pool.num_free * share) // (regions * max(1, len(empty))))
+        if per_slot <= 0:
+            return 0
+        nbytes = per_slot * self.pool.page_size
+        for slot in empty:
+            first = self._first_va_page(slot)
+            if not self._grow(slot, per_slot):
+                break
+            for region in self.regions:
+                self.backend.populate(region.va_of(first), nbytes)
+        self.warm_pages = per_slot
+        return per_slot
 
     def _hold_slot(self, request_id: str, slot: int, num_tokens: int) -> None:
         if request_id not in self.slots.slot_of:

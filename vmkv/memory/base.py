@@ -101,6 +101,12 @@ class MemoryBackend(ABC):
         write to each costs no page fault that must back it with memory. The default does
         nothing: device memory is resident once created (``cuMemCreate``)."""
 
+    def populate(self, va: int, nbytes: int) -> None:
+        """Make the page-table entries of the mapped range ``[va, va+nbytes)`` present now, so
+        that the first access to it takes no fault; its bytes are left as they are. The default
+        does nothing: a device mapping is usable as soon as it is mapped (``cuMemMap`` +
+        ``cuMemSetAccess``)."""
+
     @abstractmethod
     def release_page(self, page_id: int) -> None:
         """Return ``page_id``'s memory to the OS/driver; it must be mapped nowhere."""

@@ -47,7 +47,7 @@ class OpStats:
 class MemoryStats:
     """Per-operation statistics; ``with stats.timed("map", n): ...`` records one call."""
 
-    OPS = ("map", "unmap", "create", "touch", "release")
+    OPS = ("map", "unmap", "create", "touch", "populate", "release")
 
     def __init__(self) -> None:
         self.ops: dict[str, OpStats] = {op: OpStats() for op in self.OPS}

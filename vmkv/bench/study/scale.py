@@ -13,8 +13,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: the virtual-tax variants: name -> EngineConfig fields (the rest: the engine's defaults, the
 #: KV budget of the scale, float32); "virtual" is the CPU default (per-layer, 16K, a growth
-#: maps 128 tokens (premap 5),
-#: every page created and touched at start-up)
+#: maps 128 tokens (premap 5), every page created and touched at start-up, half of them mapped
+#: into the idle slots); "pages on demand" does neither of the last two
 TAX_VARIANTS: dict[str, dict[str, Any]] = {
     "paged": {"kv_mode": "paged"},
     "virtual": {},
