@@ -69,6 +69,25 @@ def test_map_is_per_page_access_per_run_unmap_exact() -> None:
     assert not drv.maps and not drv.handles and not drv.reservations
 
 
+def test_a_refused_release_in_a_run_leaves_the_whole_run_idle() -> None:
+    """A trim releases adjacent idle pages as one run; where the driver can only release one
+    handle per call, a refusal part-way re-creates what the run had released (all or none),
+    so the pool's accounting stays exact and the next trim returns them."""
+    backend = fake_backend()
+    pool = PagePool(backend, 16, max_idle_pages=0)
+    region = VirtualRegion(pool, 8 * GRAN)
+    region.map_new(0, 4)
+    region.unmap(0, 4)
+    backend.faults.arm("release", "ENOMEM", after=2)
+    backend.cu.calls.clear()
+    assert pool.trim() == 0
+    assert backend.cu.calls == ["cuMemRelease"] * 2 + ["cuMemCreate"] * 2  # rolled back
+    assert pool.num_idle == pool.num_created == 4 and len(backend.cu.handles) == 4
+    pool.check()
+    assert pool.trim() == 4 and pool.num_created == 0 and not backend.cu.handles
+    region.close()
+
+
 def test_driver_errors_carry_the_cuda_error_name() -> None:
     backend = MetaCudaBackend(None, 8, 0, driver=FakeDriver(GRAN, memory_bytes=2 * GRAN))
     pool = PagePool(backend, 8)

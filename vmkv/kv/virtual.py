@@ -26,12 +26,12 @@ first waits for it (:func:`_waits_for_mapper`, applied once to the class).
 
 Latency hiding: the pool may be pre-created, and half of it then mapped into the idle slots at
 start-up with page-table entries present (:meth:`VirtualKVCache.warm_idle_slots`, the host
-engine's default: paged mode's pre-zeroed tensor, here); growth maps ``premap_pages`` extra pages when free
-pages exist (fewer, larger map calls); finished slots keep their pages (deferred reclamation),
-also those the prefix cache holds, and a new request takes the idle slot that fits best and
-reuses its pages in place (the cache gives up the ones it held): often no map call, no page
-fault at all. Pages kept this way are reclaimed on demand, and beyond ``max_idle_pages``
-eagerly.
+engine's default: paged mode's pre-zeroed tensor, here); growth maps ``premap_pages`` extra
+pages when free pages exist (fewer, larger map calls); finished slots keep their pages
+(deferred reclamation), also those the prefix cache holds, and a new request takes the idle
+slot that fits best and reuses its pages in place (the cache gives up the ones it held): often
+no map call, no page fault at all. Pages kept this way are reclaimed on demand, and beyond
+``max_idle_pages`` eagerly.
 """
 
 from __future__ import annotations

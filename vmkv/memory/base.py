@@ -101,6 +101,20 @@ class MemoryBackend(ABC):
         write to each costs no page fault that must back it with memory. The default does
         nothing: device memory is resident once created (``cuMemCreate``)."""
 
+    def release_pages(self, first: int, num: int) -> None:
+        """Release the idle pages ``first .. first+num-1`` (all or none: a failure re-creates
+        the ones this call released, then raises). Backends that can free a range in one call
+        override it (host: one punch-hole ``fallocate``)."""
+        done = 0
+        try:
+            for page in range(first, first + num):
+                self.release_page(page)
+                done += 1
+        except BaseException:
+            for page in range(first, first + done):
+                rolled_back(lambda page=page: self.create_page(page))
+            raise
+
     def populate(self, va: int, nbytes: int) -> None:
         """Make the page-table entries of the mapped range ``[va, va+nbytes)`` present now, so
         that the first access to it takes no fault; its bytes are left as they are. The default

@@ -224,9 +224,9 @@ class PagePool:
 
     def trim(self, keep: int | None = None) -> int:
         """Release idle pages beyond ``keep`` (default ``max_idle_pages``; None: keep all),
-        highest ids first; return how many.
+        highest ids first, a run of adjacent ids per backend call; return how many.
 
-        A release the backend refuses (``VmmError``) leaves that page idle, stops the trim and
+        A release the backend refuses (``VmmError``) leaves that run idle, stops the trim and
         is logged: memory is returned later, accounting stays exact.
         """
         keep = self.max_idle_pages if keep is None else keep
@@ -236,17 +236,19 @@ class PagePool:
         if excess <= 0:
             return 0
         released = 0
-        for page in heapq.nlargest(excess, self._idle):
+        for first, num in _runs_from_the_top(heapq.nlargest(excess, self._idle)):
             try:
-                self.backend.release_page(page)
+                self.backend.release_pages(first, num)
             except VmmError as exc:
-                logger.warning("could not return idle page %d to the OS/driver: %s", page, exc)
+                logger.warning("could not return idle pages %d..%d to the OS/driver: %s",
+                               first, first + num - 1, exc)
                 break
-            self._idle.discard(page)
-            self._created[page] = 0
-            self._uncreated.add(page)
-            heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
-            released += 1
+            for page in range(first, first + num):
+                self._idle.discard(page)
+                self._created[page] = 0
+                self._uncreated.add(page)
+                heapq.heappush(self._uncreated_heaps[page // self.partition_size], page)
+            released += num
         return released
 
     def release_all_idle(self) -> None:
@@ -333,3 +335,14 @@ class PagePool:
             free = sum(1 for p in range(lo, lo + self.partition_size) if self.ref_cnt[p] == 0)
             assert free == self._free_in[part], (part, free, self._free_in[part])
         assert (self._free_mask == (np.array(self.ref_cnt) == 0)).all()
+
+
+def _runs_from_the_top(pages: list[int]) -> list[tuple[int, int]]:
+    """``(first, num)`` runs of adjacent ids in ``pages`` (given highest first), highest first."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] == page + 1:
+            runs[-1] = (page, runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs

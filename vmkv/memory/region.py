@@ -157,8 +157,9 @@ class VirtualRegion:
         mapped = np.flatnonzero(self.page_at != UNMAPPED)
         if len(mapped):
             self.backend.synchronize()
-        for va_page in mapped:
-            self.unmap(int(va_page), 1)
+        for run in np.split(mapped, np.flatnonzero(np.diff(mapped) != 1) + 1):
+            if len(run):  # one unmap per stretch of mapped virtual pages
+                self.unmap(int(run[0]), len(run))
         if self.anchor_pages:
             self.backend.synchronize()
             self.backend.unmap_run(self.base, self.anchor_pages)
