@@ -42,6 +42,21 @@ def rolled_back(step: Callable[[], T]) -> T:
     raise MemoryStateLost(f"a rollback was refused {ROLLBACK_TRIES} times: {last}") from last
 
 
+def _each_or_none(step: Callable[[int], None], undo: Callable[[int], None], first: int,
+                  num: int) -> None:
+    """``step`` each page ``first .. first+num-1``; when one fails, ``undo`` the pages already
+    stepped (each undo retried, :func:`rolled_back`), then raise the failure."""
+    done = 0
+    try:
+        for page in range(first, first + num):
+            step(page)
+            done += 1
+    except BaseException:
+        for page in range(first, first + done):
+            rolled_back(lambda page=page: undo(page))
+        raise
+
+
 class MemoryBackend(ABC):
     """Reserve / create / map / unmap / release over one API; all sizes in bytes.
 
@@ -86,15 +101,7 @@ class MemoryBackend(ABC):
         """Create the uncreated pages ``first .. first+num-1`` (all or none: a failure
         releases the ones this call created, then raises). Backends that can commit a range in
         one call override it (host: one ``fallocate``)."""
-        done = 0
-        try:
-            for page in range(first, first + num):
-                self.create_page(page)
-                done += 1
-        except BaseException:
-            for page in range(first, first + done):
-                rolled_back(lambda page=page: self.release_page(page))
-            raise
+        _each_or_none(self.create_page, self.release_page, first, num)
 
     def touch_pages(self, first: int, num: int) -> None:
         """Make the created pages ``first .. first+num-1`` resident now, so that the first
@@ -105,15 +112,7 @@ class MemoryBackend(ABC):
         """Release the idle pages ``first .. first+num-1`` (all or none: a failure re-creates
         the ones this call released, then raises). Backends that can free a range in one call
         override it (host: one punch-hole ``fallocate``)."""
-        done = 0
-        try:
-            for page in range(first, first + num):
-                self.release_page(page)
-                done += 1
-        except BaseException:
-            for page in range(first, first + done):
-                rolled_back(lambda page=page: self.create_page(page))
-            raise
+        _each_or_none(self.release_page, self.create_page, first, num)
 
     def populate(self, va: int, nbytes: int) -> None:
         """Make the page-table entries of the mapped range ``[va, va+nbytes)`` present now, so
