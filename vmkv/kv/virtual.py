@@ -377,9 +377,10 @@ class VirtualKVCache(KVCacheManager):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be in [0, 1], got {share}")
         empty = [s for s in sorted(self.slots.idle) if self.slots.mapped[s] == 0]
-        regions = len(self.regions)
+        if not empty:
+            return 0
         per_slot = min(self.layout.slot_pages,
-                       int(self.pool.num_free * share) // (regions * max(1, len(empty))))
+                       int(self.pool.num_free * share) // (len(self.regions) * len(empty)))
         if per_slot <= 0:
             return 0
         nbytes = per_slot * self.pool.page_size

@@ -151,17 +151,9 @@ class HostMemoryBackend(MemoryBackend):
             firsts.copy_(firsts.clone())
 
     def release_page(self, page_id: int) -> None:
-        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        call = f"fallocate(punch page {page_id})"
-        self.faults.check("release", call)
-        with self.stats.timed("release", 1):
-            if _libc.fallocate(self._fd, mode, page_id * self.page_size, self.page_size) != 0:
-                raise _os_error(call)
+        self.release_pages(page_id, 1)
 
     def release_pages(self, first: int, num: int) -> None:
-        if num == 1:
-            self.release_page(first)
-            return
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         call = f"fallocate(punch pages {first}..{first + num - 1})"
         self.faults.check("release", call)

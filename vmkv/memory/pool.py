@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -236,7 +237,8 @@ class PagePool:
         if excess <= 0:
             return 0
         released = 0
-        for first, num in _runs_from_the_top(heapq.nlargest(excess, self._idle)):
+        chosen = sorted(heapq.nlargest(excess, self._idle))
+        for _, first, num in reversed(runs_of(0, chosen)):  # highest run first
             try:
                 self.backend.release_pages(first, num)
             except VmmError as exc:
@@ -337,12 +339,13 @@ class PagePool:
         assert (self._free_mask == (np.array(self.ref_cnt) == 0)).all()
 
 
-def _runs_from_the_top(pages: list[int]) -> list[tuple[int, int]]:
-    """``(first, num)`` runs of adjacent ids in ``pages`` (given highest first), highest first."""
-    runs: list[tuple[int, int]] = []
-    for page in pages:
-        if runs and runs[-1][0] == page + 1:
-            runs[-1] = (page, runs[-1][1] + 1)
+def runs_of(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split a page list into (va_page, first_phys_page, count) physically contiguous runs."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and page == runs[-1][1] + runs[-1][2]:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
         else:
-            runs.append((page, 1))
+            runs.append((va_page + i, page, 1))
     return runs

@@ -24,7 +24,7 @@ import torch
 
 from vmkv.memory.base import rolled_back
 from vmkv.memory.errors import MappingBudgetExceeded
-from vmkv.memory.pool import PagePool
+from vmkv.memory.pool import PagePool, runs_of
 
 UNMAPPED = -1
 
@@ -240,15 +240,3 @@ def count_vmas_rows(pages: np.ndarray) -> np.ndarray:
     adjacent = pages[:, 1:] == pages[:, :-1] + 1
     same = (mapped[:, 1:] == mapped[:, :-1]) & (~mapped[:, 1:] | adjacent)
     return pages.shape[1] - same.sum(axis=1)
-
-
-def runs_of(va_page: int, pages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split a page list into (va_page, first_phys_page, count) physically contiguous runs."""
-    runs: list[tuple[int, int, int]] = []
-    for i, page in enumerate(pages):
-        if runs and page == runs[-1][1] + runs[-1][2]:
-            start, first, count = runs[-1]
-            runs[-1] = (start, first, count + 1)
-        else:
-            runs.append((va_page + i, page, 1))
-    return runs
