@@ -1,13 +1,17 @@
 """A big non-streamed logprobs response is built off the event loop: while a 4,096-token chat
 completion with ``top_logprobs: 20`` (~86,000 logprob entries, ~10 MB of JSON) is generated and
-built, the server's loop is never late by more than 50 ms and ``/health`` answers in under
-50 ms. A tiny random-weight Llama with the default tokenizer makes the 4,096 tokens cheap."""
+built, the server's loop wakes within 20 ms 99 times in 100 and is never late by more than
+150 ms, and ``/health`` answers within the same bounds. The same building done on the loop
+holds it ~300 ms at once; shared 2-core machines put single pauses of up to ~55 ms on a healthy
+loop (another test worker, the kernel), hence two bounds rather than one. A tiny random-weight
+Llama with the default tokenizer makes the 4,096 tokens cheap."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -26,7 +30,8 @@ from vmkv.config import EngineConfig
 from vmkv.models import load_tokenizer
 
 TOKENS = 4096
-BOUND = 0.050  # seconds: the contract (a blocked loop misses it by ~20x)
+WORST = 0.150  # seconds: the worst wake or /health (building on the loop: 290-340 ms)
+TYPICAL = 0.020  # seconds: the 99th percentile (healthy: 2-7 ms, with two CPU hogs beside it)
 
 
 @pytest.fixture(scope="module")
@@ -99,5 +104,7 @@ def test_health_answers_while_a_big_logprobs_response_is_built(srv: Running,
     content = json.loads(out.read_bytes())["choices"][0]["logprobs"]["content"]
     assert len(content) == TOKENS and all(len(e["top_logprobs"]) == 20 for e in content)
     assert out.stat().st_size > 5_000_000 and len(health) > 50
-    assert max(lags[0]) < BOUND, f"the event loop was late by {max(lags[0]):.3f} s"
-    assert max(health) < BOUND, f"/health took {max(health):.3f} s"
+    for name, seconds in (("the event loop's lateness", lags[0]), ("/health", health)):
+        p99 = statistics.quantiles(seconds, n=100)[98]
+        assert p99 < TYPICAL, f"{name}: 99th percentile {p99:.3f} s"
+        assert max(seconds) < WORST, f"{name}: worst {max(seconds):.3f} s"
