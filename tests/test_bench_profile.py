@@ -52,3 +52,14 @@ def test_profile_parts_add_up_to_the_step(tmp_path: Path, kv_mode: str, layers: 
         assert 0 <= phase["cores_idle"] <= 1
         assert set(phase["roofline_ms"]) == set(PARTS)
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.usefixtures("default_model")
+def test_a_decode_batch_the_kv_budget_cannot_hold_is_refused_up_front(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any prefill, with the fix named (it used to fail after prefilling)."""
+    assert main(["bench", "profile", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                 "--batch-size", "64", "--context-len", "700"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 64 x --context-len 700 needs about 45248 KV tokens" in err
+    assert "raise --kv-cache-memory" in err

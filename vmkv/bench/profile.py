@@ -281,6 +281,12 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      max_model_len=max(config.max_model_len or 0, prefill_len + 8,
                                        2 * context + warmup + repeats + 8))
     engine = LLMEngine(config)
+    needed = batch * (context + warmup + repeats)  # decode's requests, held at once
+    if needed > engine.kv.capacity_tokens:
+        engine.close()
+        raise ValueError(f"--batch-size {batch} x --context-len {context} needs about "
+                         f"{needed} KV tokens, the KV budget holds "
+                         f"{engine.kv.capacity_tokens}: raise --kv-cache-memory")
     attn = engine.executor.worker.attn
     if not prefill_kernel and hasattr(attn, "batched_prefill"):
         attn.batched_prefill = False
