@@ -25,8 +25,8 @@ from vmkv.kv.changes import CopyPage, KVChange, MapPages, UnmapPages
 from vmkv.kv.spec import VirtualLayout
 from vmkv.memory.base import rolled_back
 from vmkv.memory.errors import MappingBudgetExceeded, VmmError
-from vmkv.memory.pool import PagePool
-from vmkv.memory.region import UNMAPPED, VirtualRegion, count_vmas_rows, runs_of
+from vmkv.memory.pool import PagePool, runs_of
+from vmkv.memory.region import UNMAPPED, VirtualRegion, count_vmas_rows
 
 
 class RegionGroup:
