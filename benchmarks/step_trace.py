@@ -4,7 +4,8 @@
 
 Runs a workload file (``vmkv.bench.workloads`` format, e.g. the one ``benchmarks/peers/
 vllm_cpu.sh`` writes) through one engine as ``vmkv bench throughput --workload jsonl`` does
-(process tuned first, the first 8 requests as a warm-up, greedy, exact output lengths; any
+(process tuned first, the first 8 requests as a warm-up, then the prefix cache reset so that
+the timed run has no hits from it, greedy, exact output lengths; any
 engine flag of ``vmkv bench throughput``, e.g. ``--kv-mode paged --dtype bfloat16
 --kv-cache-memory 4G --no-precreate-pages``) and
 records every step: sequences scheduled, tokens, milliseconds. Prints the time in steps that
@@ -57,6 +58,7 @@ def main() -> None:
     engine = LLMEngine(config)
     rows = load_jsonl(args.workload, lambda text: engine.tokenizer(text).input_ids)  # as bench
     run(engine, rows[:8], "warmup-")
+    engine.reset_prefix_cache()  # as bench throughput: the warm-up's prompts are not hits
     seconds, steps = run(engine, rows, "r")
     out_tokens = sum(r.output_len for r in rows)
     prefill = [s for s in steps if s[1] > s[0]]
