@@ -110,6 +110,35 @@ def test_brgemm_rounds_like_f_linear_in_bfloat16(bias: bool, rows: int, inp: int
     assert torch.equal(packed(strided), packed(strided.contiguous()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("inp", "out"), [(576, 960), (1536, 576), (64, 96), (40, 50)])
+def test_decode_rows_equal_the_prefill_tiles_bit_for_bit(dtype: torch.dtype, inp: int,
+                                                         out: int) -> None:
+    """Up to 64 rows (decode) the product streams each column block through its own loops,
+    past 64 (prefill) through the ukernel's row tiles; without AMX both are the same AVX-512
+    arithmetic in the same order, so any rows of a decode batch give the prefill product's
+    values bit for bit (with AMX the tiles accumulate differently: float tolerance). Block
+    widths 64, 32 and a padded 64; passes of 6 rows and their remainders."""
+    from vmkv.cpu_info import cpu_features
+
+    if dtype == torch.bfloat16:
+        require_bf16_kernels()
+    else:
+        require_f32_brgemm()
+    torch.manual_seed(inp + out)
+    linear = nn.Linear(inp, out).to(dtype).requires_grad_(False)
+    head = PackedLinear(linear, 64, "brgemm", out_dtype=torch.float32)
+    x = torch.randn(100, inp).to(dtype)
+    tiles = head(x)  # 100 rows: the ukernel
+    amx = dtype == torch.bfloat16 and "amx_bf16" in cpu_features().split()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 33, 64):
+        got = head(x[:rows])
+        if amx:
+            torch.testing.assert_close(got, tiles[:rows], rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(got, tiles[:rows]), rows
+
+
 def test_bfloat16_backends_and_refusals() -> None:
     require_bf16_kernels()
     assert resolve_backend("auto", torch.bfloat16) == "brgemm"
