@@ -4,6 +4,7 @@
     mkl       float32       cblas_sgemm_pack (MKL's layout)     cblas_sgemm_compute, any rows
     brgemm    bfloat16      VNNI column blocks (cpu_bf16)       oneDNN's brgemm ukernel (AMX)
               float32       plain column blocks (cpu_bf16)      its float overload (AVX-512)
+                            (decode's <= 64 rows, both dtypes: cpu_bf16's own streaming loops)
     onednn    either        mkldnn._reorder_linear_weight       mkldnn._linear_pointwise
     torch     either        as loaded                           F.linear (what transformers runs)
 
