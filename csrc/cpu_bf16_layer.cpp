@@ -117,15 +117,15 @@ bool bad_linear(const VmkvBf16Linear& w, int64_t in, int64_t out) {
 // spread-out software prefetch of the next block (L1 or L2) made no steady difference. With
 // AMX the tile kernel takes bf16 from 5 rows on (its peak is far above these dot products).
 #if defined(__AVX512F__)
-template <typename T>
-constexpr int64_t kStreamRows = !std::is_same_v<T, bf16>  ? kSmallRows
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
-                                : kSmallRows;
+constexpr int64_t kStreamRowsBf16 = kSmallRows;
 #elif defined(__AVX512BF16__)
-                                : 4;
+constexpr int64_t kStreamRowsBf16 = 4;  // AMX: the tile kernel from 5 rows on
 #else
-                                : 0;
+constexpr int64_t kStreamRowsBf16 = 0;  // no bf16 dot products: the ukernel
 #endif
+template <typename T>
+constexpr int64_t kStreamRows = std::is_same_v<T, bf16> ? kStreamRowsBf16 : kSmallRows;
 constexpr int64_t kStreamPass = 6;  // rows of A per pass over a block (6 x 4 accumulators)
 
 // c[R, V * 16] = a[R, K] (row stride lda) b, b one float32 block [K][V * 16].
