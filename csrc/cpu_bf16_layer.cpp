@@ -131,20 +131,20 @@ constexpr int64_t kStreamPass = 6;  // rows of A per pass over a block (6 x 4 ac
 // c[R, V * 16] = a[R, K] (row stride lda) b, b one float32 block [K][V * 16].
 template <int R, int V>
 inline void stream_rows(const float* a, int64_t lda, const float* b, int64_t k, float* c) {
-  __m512 acc[R][V];
+  vfloat acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
   }
   for (int64_t i = 0; i < k; ++i) {
-    __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(b + (i * V + v) * 16);
+    vfloat wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = vload(b + (i * V + v) * kLanes);
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + i]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
+      const vfloat x = vset1(a[r * lda + i]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfmadd(x, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(c + (r * V + v) * 16, acc[r][v]);
+    for (int v = 0; v < V; ++v) vstore(c + (r * V + v) * kLanes, acc[r][v]);
   }
 }
 

@@ -114,8 +114,8 @@ def test_brgemm_rounds_like_f_linear_in_bfloat16(bias: bool, rows: int, inp: int
 @pytest.mark.parametrize(("inp", "out"), [(576, 960), (1536, 576), (64, 96), (40, 50)])
 def test_decode_rows_equal_the_prefill_tiles_bit_for_bit(dtype: torch.dtype, inp: int,
                                                          out: int) -> None:
-    """Up to 64 rows (decode) the product streams each column block through its own loops,
-    past 64 (prefill) through the ukernel's row tiles; without AMX both are the same AVX-512
+    """Row tiles of up to 64 rows (decode) stream each column block through vmkv's own loops,
+    larger tiles (prefill) go through the ukernel; without AMX both are the same AVX-512
     arithmetic in the same order, so any rows of a decode batch give the prefill product's
     values bit for bit (with AMX the tiles accumulate differently: float tolerance). Block
     widths 64, 32 and a padded 64; passes of 6 rows and their remainders."""
@@ -128,8 +128,8 @@ def test_decode_rows_equal_the_prefill_tiles_bit_for_bit(dtype: torch.dtype, inp
     torch.manual_seed(inp + out)
     linear = nn.Linear(inp, out).to(dtype).requires_grad_(False)
     head = PackedLinear(linear, 64, "brgemm", out_dtype=torch.float32)
-    x = torch.randn(100, inp).to(dtype)
-    tiles = head(x)  # 100 rows: the ukernel
+    x = torch.randn(300, inp).to(dtype)
+    tiles = head(x)  # 300 rows: two tiles of 150, the ukernel's
     amx = dtype == torch.bfloat16 and "amx_bf16" in cpu_features().split()
     for rows in (1, 2, 3, 4, 5, 6, 7, 13, 33, 64):
         got = head(x[:rows])
