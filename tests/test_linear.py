@@ -118,7 +118,8 @@ def test_decode_rows_equal_the_prefill_tiles_bit_for_bit(dtype: torch.dtype, inp
     larger tiles (prefill) go through the ukernel; without AMX both are the same AVX-512
     arithmetic in the same order, so any rows of a decode batch give the prefill product's
     values bit for bit (with AMX the tiles accumulate differently: float tolerance). Block
-    widths 64, 32 and a padded 64; passes of 6 rows and their remainders."""
+    widths 64, 32 and a padded 64; passes of 6 rows and their remainders; rows split over the
+    threads where the column blocks do not divide (13 and 33 rows of 9 or 15 blocks)."""
     from vmkv.cpu_info import cpu_features
 
     if dtype == torch.bfloat16:
