@@ -89,7 +89,7 @@ constexpr int64_t kMaxBlockN = 64;     // widest column block a weight may be pa
 constexpr int64_t kParallelRows = 16;  // elementwise passes stay on one thread below this
 // fewest rows per tile when decode's rows are split: a streaming pass's 6 (below 12 rows the
 // weight stream decides and splitting the rows made the GEMMs slower; from 12 to 31 rows the
-// even split took float32's GEMMs at 12-28 rows 5-7 % faster, bf16's at 20-28 rows 4-6 %)
+// even split took float32's GEMMs at 12-28 rows 5-7 % faster, bf16's at 20-28 rows 5-7 %)
 constexpr int64_t kBalancedRows = 6;
 
 // the ukernel's float32 overload (VmkvBrgemm's arguments with float A and B)
