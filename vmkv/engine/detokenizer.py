@@ -21,7 +21,6 @@ class IncrementalDetokenizer:
     """Text deltas of one sequence's output tokens."""
 
     def __init__(self, tokenizer: Any, prompt_len: int, skip_special_tokens: bool) -> None:
-        self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode = window_decoder(tokenizer)
         self.prefix_offset = max(prompt_len - 5, 0)  # a little prompt context for the first
