@@ -30,7 +30,8 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {body}\n\n"
 
 
-async def ending_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def ending_with_errors(events: AsyncIterator[str | bytes]
+                            ) -> AsyncIterator[str | bytes]:
     """``events``, but a failure after the stream began (the status line is sent) ends it with
     an error event and ``[DONE]`` (vLLM's convention) instead of a cut connection."""
     try:

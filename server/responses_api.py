@@ -1,12 +1,8 @@
 """``POST /v1/responses``: OpenAI's Responses API, stateless.
 
-A request becomes a chat completion: ``instructions`` a system message, ``input`` (text, or
-items: messages, earlier ``function_call`` items and their ``function_call_output``) the
-conversation, function ``tools`` and ``tool_choice`` tool calling, ``text.format`` structured
-outputs, ``max_output_tokens`` / ``temperature`` / ``top_p`` / ``top_logprobs`` sampling. The
-reply is a ``response`` object: a ``message`` item with ``output_text``, then one
-``function_call`` item per call; ``status`` is ``incomplete`` (``max_output_tokens``) when the
-reply was cut.
+A request becomes a chat completion (server/responses_request.py). The reply is a ``response``
+object: a ``message`` item with ``output_text``, then one ``function_call`` item per call;
+``status`` is ``incomplete`` (``max_output_tokens``) when the reply was cut.
 
 Streamed, the events are OpenAI's: ``response.created``, ``response.in_progress``, then per
 output item ``response.output_item.added``; for the message ``response.content_part.added``,
@@ -14,249 +10,55 @@ output item ``response.output_item.added``; for the message ``response.content_p
 ``response.content_part.done``; for a call ``response.function_call_arguments.delta``...,
 ``response.function_call_arguments.done``; then ``response.output_item.done``; last
 ``response.completed`` (or ``response.incomplete``) with the whole response and its usage.
-Every event has a ``sequence_number``.
-
-Nothing is stored: ``store: true`` and ``previous_response_id`` are refused (400) rather than
-ignored, as are hosted tools, non-text inputs and background mode.
+Every event has a ``sequence_number`` (server/responses_output.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from vmkv.server.bodies import json_response
-from vmkv.server.errors import APIError
-from vmkv.server.protocol import ChatCompletionRequest, RequestModel
 from vmkv.server.responses_output import ResponseShape, stream_events
+from vmkv.server.responses_request import ResponsesRequest, as_chat
+from vmkv.server.session import ServingSession
 from vmkv.server.structured import prepare_structure
 from vmkv.server.tools import plan_tools
 
-if TYPE_CHECKING:
-    from vmkv.server.app import _Api
 
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
+class ResponsesHandler:
+    """Serves ``POST /v1/responses`` over a :class:`ServingSession`: a ``response`` object
+    built off the loop, or its stream of events. ``create`` is the route (APIError for what
+    the client must fix; no docstring: it would become the OpenAPI description)."""
 
+    def __init__(self, session: ServingSession) -> None:
+        self.session = session
 
-class ResponsesRequest(RequestModel):
-    """``POST /v1/responses`` (the fields vmkv honours or refuses; docs/server.md)."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    max_tool_calls: int | None = Field(default=None, ge=1)
-    text: dict[str, Any] | None = None
-    stream: bool = False
-    include: list[str] | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    truncation: Literal["disabled", "auto"] | None = None
-    store: bool | None = None
-    previous_response_id: str | None = None
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    # vLLM's sampling extras
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    cache_salt: str | None = None
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    priority: int = 0
-
-    @field_validator("store", "previous_response_id", "background", "conversation", "prompt",
-                     "truncation")
-    @classmethod
-    def _stateless(cls, value: Any, info: ValidationInfo) -> Any:
-        if value in (None, False, "disabled"):
-            return value
-        why = {"store": "store: true needs stored responses",
-               "previous_response_id": "previous_response_id names a stored response",
-               "conversation": "conversations are stored state",
-               "prompt": "prompt templates are stored state",
-               "background": "background responses are stored and polled",
-               "truncation": "truncation 'auto' would drop input items"}[info.field_name]
-        raise ValueError(f"{why}, and vmkv's Responses API is stateless: nothing is stored. "
-                         "Send the whole conversation as input (earlier output items "
-                         "included) and leave store, previous_response_id, conversation, "
-                         "prompt and background unset")
-
-    @field_validator("text")
-    @classmethod
-    def _text_format_only(cls, text: dict[str, Any] | None) -> dict[str, Any] | None:
-        other = sorted(set(text or {}) - {"format"})
-        if other:
-            raise ValueError(f"text.{other[0]} is not supported (only text.format is)")
-        return text
-
-    @field_validator("include")
-    @classmethod
-    def _includes(cls, include: list[str] | None) -> list[str] | None:
-        for item in include or []:
-            if item != LOGPROBS_INCLUDE:
-                raise ValueError(f"only {LOGPROBS_INCLUDE!r} can be included, got {item!r}")
-        return include
-
-    @field_validator("reasoning")
-    @classmethod
-    def _no_reasoning(cls, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-        if reasoning and any(v is not None for v in reasoning.values()):
-            raise ValueError("reasoning options are not supported (vmkv serves no reasoning "
-                             "parser)")
-        return reasoning
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
-
-
-async def create(api: _Api, body: ResponsesRequest, raw: Request) -> Response:
-    """Serve one ``POST /v1/responses``."""
-    started = time.monotonic()
-    api.check_model(body.model)
-    chat = _as_chat(body)
-    plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
-                      api.chat_template or api.tokenizer.chat_template,
-                      api.config.tool_call_parser)
-    if body.max_tool_calls is not None:
-        plan.max_calls = min(plan.max_calls or body.max_tool_calls, body.max_tool_calls)
-    ids = await api.chat_ids(chat, plan.tools)
-    max_tokens = (body.max_output_tokens if body.max_output_tokens is not None
-                  else api.defaults.get("max_tokens"))
-    params = chat.sampling_params(
-        max_tokens, chat.num_logprobs, api.defaults,
-        structured_outputs=await prepare_structure(api.front, chat, plan.structure))
-    response_id = api.response_id("resp_", raw, body)
-    streams = await api.submit(response_id, [ids], params, body.cache_salt, body,
-                               "/v1/responses")
-    shape = ResponseShape(api, body, response_id, plan)
-    if body.stream:
-        return StreamingResponse(stream_events(api, shape, streams, started),
-                                 media_type="text/event-stream")
-    (out,) = await api.collect(raw, streams, started)
-    return await json_response(api.workers, lambda: shape.final(out))
-
-
-# -- the request as a chat completion ----------------------------------------------------------
-def _as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        for i, item in enumerate(body.input):
-            _add_item(messages, item, f"input.{i}")
-    if not messages:
-        raise APIError(400, "input must hold at least one message", "input")
-    fields: dict[str, Any] = {
-        "messages": messages, "tools": _chat_tools(body.tools),
-        "tool_choice": _chat_tool_choice(body.tool_choice),
-        "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature,
-        "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k, "min_p": body.min_p,
-        "repetition_penalty": body.repetition_penalty, "cache_salt": body.cache_salt,
-        "response_format": _response_format(body.text),
-        "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs,
-    }
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(x) for x in error["loc"]).replace("messages", "input")
-        raise APIError(400, f"{param}: {error['msg']}", param) from None
-
-
-def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in ("user", "system", "developer", "assistant"):
-            raise APIError(400, f"unsupported message role {role!r}", f"{param}.role")
-        messages.append({"role": role, "content": _text(item.get("content"), param)})
-    elif kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-        if not all(isinstance(v, str) for v in (call["id"], *call["function"].values())):
-            raise APIError(400, "a function_call item needs call_id, name and arguments "
-                           "(strings)", param)
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
-        else:
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    elif kind == "function_call_output":
-        if not isinstance(item.get("call_id"), str):
-            raise APIError(400, "a function_call_output item needs a call_id", param)
-        messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": _text(item.get("output"), param)})
-    else:
-        raise APIError(400, f"input items of type {kind!r} are not supported (vmkv serves "
-                       "text messages, function_call and function_call_output)",
-                       f"{param}.type")
-
-
-def _text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in (
-                    "input_text", "output_text", "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"content parts of type {kind!r} are not supported (text "
-                               "only)", f"{param}.content.{j}.type")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise APIError(400, "content must be text or a list of text parts", f"{param}.content")
-
-
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise APIError(400, f"tools of type {tool.get('type')!r} are not supported; vmkv "
-                           "serves function tools ({'type': 'function', 'name': ...})",
-                           f"tools.{i}")
-        converted.append({"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters") if k in tool}})
-    return converted
-
-
-def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if choice is None or isinstance(choice, str):
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': "
-                   "'function', 'name': ...}", "tool_choice")
-
-
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
-                                                            "json_schema"):
-        raise APIError(400, "text.format.type must be text, json_object or json_schema",
-                       "text.format")
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}
-    if not isinstance(fmt.get("schema"), dict):
-        raise APIError(400, "text.format needs a 'schema' object", "text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"),
-                                                   "schema": fmt["schema"]}}
+    async def create(self, raw: Request) -> Response:
+        s = self.session
+        body = await s.parse(raw, ResponsesRequest)
+        started = time.monotonic()
+        s.check_model(body.model)
+        chat = as_chat(body)
+        plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                          s.chat_template or s.tokenizer.chat_template,
+                          s.config.tool_call_parser)
+        if body.max_tool_calls is not None:
+            plan.max_calls = min(plan.max_calls or body.max_tool_calls, body.max_tool_calls)
+        ids = await s.chat_ids(chat, plan.tools)
+        max_tokens = (body.max_output_tokens if body.max_output_tokens is not None
+                      else s.defaults.get("max_tokens"))
+        params = chat.sampling_params(
+            max_tokens, chat.num_logprobs, s.defaults,
+            structured_outputs=await prepare_structure(s.front, chat, plan.structure))
+        response_id = s.response_id("resp_", raw, body)
+        streams = await s.submit(response_id, [ids], params, body.cache_salt, body,
+                                 "/v1/responses")
+        shape = ResponseShape(s, body, response_id, plan)
+        if body.stream:
+            return StreamingResponse(stream_events(s, shape, streams, started),
+                                     media_type="text/event-stream")
+        (out,) = await s.collect(raw, streams, started)
+        return await json_response(s.workers, lambda: shape.final(out))

@@ -1,6 +1,6 @@
 """The output side of ``POST /v1/responses``: the ``response`` object and its output items
 (:class:`ResponseShape`), and the stream of events that builds them (:class:`EventWriter`),
-from the chat-completion pieces the request became (server/responses_api.py)."""
+from the chat-completion pieces the request became (server/responses_request.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ from vmkv.server.errors import APIError
 from vmkv.server.tools import ToolPlan
 
 if TYPE_CHECKING:
-    from vmkv.server.app import _Api
-    from vmkv.server.responses_api import ResponsesRequest
+    from vmkv.engine.front import Stream
+    from vmkv.server.responses_request import ResponsesRequest
+    from vmkv.server.session import ServingSession
 
 
 class ResponseShape:
     """The response object of one request, and its output items, as they are built."""
 
-    def __init__(self, api: _Api, body: ResponsesRequest, response_id: str,
+    def __init__(self, session: ServingSession, body: ResponsesRequest, response_id: str,
                  plan: ToolPlan) -> None:
-        self.api, self.body, self.id, self.plan = api, body, response_id, plan
+        self.session, self.body, self.id, self.plan = session, body, response_id, plan
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
@@ -38,7 +39,7 @@ class ResponseShape:
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if finish_reason == "length" else None),
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "max_tool_calls": body.max_tool_calls, "model": self.api.model_name,
+            "max_tool_calls": body.max_tool_calls, "model": self.session.model_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None, "reasoning": None, "store": False,
             "temperature": body.temperature, "top_p": body.top_p,
@@ -70,7 +71,7 @@ class ResponseShape:
         """The output text's logprobs (None when not asked for; ``lazy``: an iterator)."""
         if not self.body.wants_logprobs:
             return None
-        return R.chat_logprobs(self.api.token_text, token_ids, entries,
+        return R.chat_logprobs(self.session.token_text, token_ids, entries,
                                self.body.top_logprobs or 0, lazy)["content"]
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
@@ -192,8 +193,8 @@ class EventWriter:
         return [*events, self.event(kind, response=response)]
 
 
-async def stream_events(api: _Api, shape: ResponseShape, streams: list, started: float
-                        ) -> AsyncIterator[str]:
+async def stream_events(session: ServingSession, shape: ResponseShape, streams: list[Stream],
+                        started: float) -> AsyncIterator[str]:
     """The events of a streamed response (an ``error`` event if it fails midway); the streams
     yield deltas, added up for the final response's usage."""
     writer = EventWriter(shape)
@@ -203,7 +204,7 @@ async def stream_events(api: _Api, shape: ResponseShape, streams: list, started:
     for event in writer.start():
         yield event
     try:
-        async for _, out in api.merged(streams, started):
+        async for _, out in session.merged(streams, started):
             total.add(out)
             for c in out.outputs:  # one choice: each delta holds at most one output
                 deltas, finish_reason = choice.feed(c.text, c.finish_reason)

@@ -38,12 +38,10 @@ class Running:
         self.thread.join(10)
 
 
-def start(engine: AsyncEngine, dev_mode: bool = False, **config: object) -> Running:
-    """Serve ``engine`` on a free port (``dev_mode``: with the development routes, as
-    ``VMKV_SERVER_DEV_MODE=1`` gives them)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VMKV_SERVER_DEV_MODE", "1" if dev_mode else "0")
-        app = build_app(engine, ServerConfig(**{"served_model_name": MODEL, **config}))
+def start(engine: AsyncEngine, **config: object) -> Running:
+    """Serve ``engine`` on a free port with ``ServerConfig(**config)`` (``dev_mode=True``: with
+    the development routes)."""
+    app = build_app(engine, ServerConfig(**{"served_model_name": MODEL, **config}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

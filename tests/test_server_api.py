@@ -19,7 +19,9 @@ from serving import client_of, serve
 from test_server import Running, start
 
 from vmkv.chat_template import load_chat_template
+from vmkv.cli import build_parser
 from vmkv.config import EngineConfig
+from vmkv.config_args import server_config
 from vmkv.models import load_tokenizer, resolve_model
 from vmkv.server.generation_config import generation_defaults
 from vmkv.server.limits import MAX_JSON_DEPTH
@@ -287,12 +289,26 @@ def test_requests_are_logged(srv: Running, caplog: pytest.LogCaptureFixture) -> 
 
 def test_development_routes_need_dev_mode(srv: Running) -> None:
     assert post(srv, "/reset_prefix_cache", {}).status_code == 404
-    dev = start(srv.engine, dev_mode=True)  # VMKV_SERVER_DEV_MODE=1
+    dev = start(srv.engine, dev_mode=True)  # `--dev-mode`, or VMKV_SERVER_DEV_MODE=1
     try:
         r = post(dev, "/reset_prefix_cache", {})
         assert r.status_code == 200 and "dropped_units" in r.json()
     finally:
         dev.stop()
+
+
+def test_dev_mode_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vmkv serve`` reads VMKV_SERVER_DEV_MODE into ``--dev-mode``'s default (a switch:
+    ``0`` is off); the server reads only the config."""
+    def dev_mode(*argv: str) -> bool:
+        return server_config(build_parser().parse_args(["serve", *argv])).dev_mode
+
+    monkeypatch.delenv("VMKV_SERVER_DEV_MODE", raising=False)
+    assert not dev_mode() and dev_mode("--dev-mode")
+    monkeypatch.setenv("VMKV_SERVER_DEV_MODE", "0")
+    assert not dev_mode()
+    monkeypatch.setenv("VMKV_SERVER_DEV_MODE", "1")
+    assert dev_mode() and not dev_mode("--no-dev-mode")
 
 
 def test_the_docs_list_every_request_field() -> None:
@@ -305,7 +321,7 @@ def test_the_docs_list_every_request_field() -> None:
         StreamOptions,
         TokenizeRequest,
     )
-    from vmkv.server.responses_api import ResponsesRequest
+    from vmkv.server.responses_request import ResponsesRequest
 
     doc = (Path(__file__).parents[1] / "docs" / "server.md").read_text()
     table = doc[doc.index("## Request fields against vLLM's"):doc.index("## Server options")]
