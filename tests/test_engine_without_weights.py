@@ -10,17 +10,20 @@ the tokens, and a run under tight memory must give the tokens of a run with ampl
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from vmkv.commands import Abort, Add, Call, Command, Stop
 from vmkv.config import CacheConfig, EngineConfig
+from vmkv.engine.engine_loop import EngineLoop
+from vmkv.engine.errors import EngineOverloadedError
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import OutputAccumulator, RequestOutput
-from vmkv.executor.base import Executor
-from vmkv.executor.model_runner import StepOutput
+from vmkv.executor.base import Executor, StepOutput
 from vmkv.executor.plan import StepPlan
 from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model_config, load_tokenizer
@@ -122,9 +125,9 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
                 sums[out.request_id].add(out)
             if out.finished:
                 finals[out.request_id] = sums[out.request_id].output() if deltas else out
-        engine.kv.check()
+        engine.kv.accounting.check()
     assert not engine.has_unfinished_requests() and set(finals) == set(requests)
-    usage = engine.kv.usage
+    usage = engine.kv.accounting.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0
     return finals
 
@@ -185,3 +188,66 @@ def test_outputs_stop_rules_and_kinds_without_a_model(model_files: tuple[Any, An
     assert by_text.stop_reason == stop_text
     assert cut["final"].outputs[0].text == plain.text
     assert engine.counters.finished["stop"] == 2
+
+
+class ScriptedTransport:
+    """An engine loop's transport that hands out scripted commands: the next one when the
+    loop asks, Abort of ``abort_id`` once the loop sent that request's first output, Stop once
+    the script is spent and the engine is idle. Records every answer and every output."""
+
+    def __init__(self, engine: LLMEngine, script: list[Command], abort_id: str) -> None:
+        self.engine = engine
+        self.script = script
+        self.abort_id: str | None = abort_id
+        self.answers: list[tuple[str, bool, Any]] = []
+        self.outputs: list[RequestOutput] = []
+
+    def receive(self, timeout: float) -> tuple[Command, Any] | None:
+        if self.abort_id is not None and any(o.request_id == self.abort_id
+                                             for o in self.outputs):
+            command: Command = Abort(self.abort_id, "timeout")
+            self.abort_id = None
+        elif self.script:
+            command = self.script.pop(0)
+        elif not self.engine.has_unfinished_requests():
+            command = Stop()
+        else:
+            return None
+        name = type(command).__name__
+        return command, lambda ok, value: self.answers.append((name, ok, value))
+
+    def send(self, outputs: list[RequestOutput]) -> None:
+        self.outputs.extend(outputs)
+
+
+def test_the_engine_loop_answers_commands_and_sends_outputs(
+        model_files: tuple[Any, Any]) -> None:
+    want = run(engine_of(model_files), {"a": (PROMPTS["r1"], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True))})["a"].outputs[0]
+    engine = engine_of(model_files)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=DELTA)
+    script: list[Command] = [
+        Add("a", PROMPTS["r1"], params),
+        Add("a", PROMPTS["r2"], params),  # id in use
+        Add("empty", [], params),
+        Add("b", PROMPTS["r2"], replace(params, max_tokens=50)),
+        Add("over", PROMPTS["r3"], params, max_waiting=0),  # a and b wait
+        Call(lambda e: sorted(e.requests)),
+    ]
+    transport = ScriptedTransport(engine, script, abort_id="b")
+    EngineLoop(engine, transport).run()
+
+    oks = [(name, ok) for name, ok, _ in transport.answers]
+    assert oks == [("Add", True), ("Add", False), ("Add", False), ("Add", True),
+                   ("Add", False), ("Call", True), ("Abort", True)]
+    errors = [value for _, ok, value in transport.answers if not ok]
+    assert "already in use" in str(errors[0]) and "the prompt is empty" in str(errors[1])
+    assert isinstance(errors[2], EngineOverloadedError)
+    assert transport.answers[5][2] == ["a", "b"]
+    a, b = OutputAccumulator(), OutputAccumulator()
+    for out in transport.outputs:
+        {"a": a, "b": b}[out.request_id].add(out)
+    assert a.output().finished and a.output().outputs[0].token_ids == want.token_ids
+    last_b = b.output().outputs[0]
+    assert last_b.finish_reason == "abort" and last_b.stop_reason == "timeout"
+    assert not engine.requests and engine.kv.accounting.usage.bytes_in_use == 0

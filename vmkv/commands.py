@@ -6,10 +6,11 @@
     Call(fn)                               ``fn(engine)`` between steps; result: its return
     Stop()                                 end the loop
 
-The async engine's thread and a data-parallel replica run them with one dispatcher
-(:class:`vmkv.engine.commands.CommandRunner`); a tensor-parallel worker's loop ends on
-:class:`Stop`. They travel pickled to replica processes and workers, so this module imports
-nothing heavy.
+The async engine's thread and a data-parallel replica run them with one engine loop
+(:class:`vmkv.engine.engine_loop.EngineLoop`, its dispatcher
+:class:`vmkv.engine.dispatcher.CommandDispatcher`), which ends on :class:`Stop`; so does a
+tensor-parallel worker's loop. They travel pickled to replica processes and workers, so this
+module imports nothing heavy.
 """
 
 from __future__ import annotations

@@ -41,11 +41,12 @@ from typing import Any
 from vmkv.commands import Abort, AbortAll, Call
 from vmkv.config import EngineConfig
 from vmkv.distributed.worker import rank_device
-from vmkv.engine.async_engine import EngineDeadError, RequestStream
+from vmkv.engine.errors import EngineDeadError
 from vmkv.engine.front import EngineFront
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.replica import run_replica
 from vmkv.engine.replica_client import ReplicaClient
+from vmkv.engine.request_stream import RequestStream
 from vmkv.engine.router import Router, prefix_key
 from vmkv.process_tuning import replica_threads
 from vmkv.sampling_params import SamplingParams
@@ -123,7 +124,7 @@ class DataParallelEngine:
         self._check_alive()
         for replica in self.replicas:
             if replica.owns(request_id):
-                replica._submit(Abort(request_id, reason))
+                replica.submit(Abort(request_id, reason))
                 return
 
     async def abort_all(self, reason: str | None = None) -> int:

@@ -30,15 +30,6 @@ if TYPE_CHECKING:
 
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.engine.outputs import RequestOutput
-    from vmkv.models.config import ModelConfig
-
-
-def stop_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a sequence: the model's EOS ids, then the tokenizer's, once each."""
-    eos = list(model_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(eos))
 
 
 @dataclass(frozen=True)
@@ -78,14 +69,15 @@ class EngineFront:
         path = resolve_model(config.model)
         model_config = load_model_config(path)
         tokenizer = load_tokenizer(config.tokenizer or path)
-        return cls(config, tokenizer, resolve_max_model_len(config, model_config.max_model_len),
+        return cls(config, tokenizer, resolve_max_model_len(config.max_model_len,
+                                                             model_config.max_model_len),
                    model_config.vocab_size, ReplicaGrammars())
 
 
 class ReplicaGrammars:
     """The grammar checks of a front whose engines run in replica processes: only those that
     need no compile. The replica that runs a request compiles its grammar, once, on a helper
-    thread while it steps (vmkv/engine/commands.py), and refuses a grammar xgrammar cannot
+    thread while it steps (vmkv/engine/dispatcher.py), and refuses a grammar xgrammar cannot
     compile with ValueError from ``add``: compiling here as well would compile every grammar
     twice."""
 

@@ -1,6 +1,7 @@
 """The engine: requests in, one scheduled model step at a time, outputs out (single-threaded).
 
-    add_request ──> Scheduler.waiting ──schedule()──> ModelRunner.execute ──> Sampler
+    add_request ──> InputProcessor ──EngineRequest──> add ──> Scheduler.waiting
+    Scheduler.schedule() ──plan_step──> Executor.execute(StepPlan) ──> Sampler
                                                          │ fork n>1 after the prompt
     RequestOutput <── OutputProcessor: append token, detokenise, stop, delta ─┘
 
@@ -18,19 +19,18 @@ from typing import Any
 import torch
 
 from vmkv.config import EngineConfig
-from vmkv.engine.front import stop_token_ids
+from vmkv.engine.input_processor import EngineRequest, InputProcessor, stop_token_ids
 from vmkv.engine.output_processor import OutputProcessor
 from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.planner import plan_step
 from vmkv.engine.scheduler import Scheduler
-from vmkv.engine.sequence import Request, Sequence, truncate_prompt
-from vmkv.engine.step_plan import plan_step
+from vmkv.engine.sequence import Request, Sequence
 from vmkv.executor import Executor, create_executor
 from vmkv.kernels import cpu_kernels
 from vmkv.kv.base import VmmError
 from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
-from vmkv.sampling.token_constraints import bad_words_token_ids
 from vmkv.sampling_params import SamplingParams
 from vmkv.structured.compiler import GrammarCompilerCache
 
@@ -108,6 +108,11 @@ class LLMEngine:
         # structured outputs: xgrammar grammars for this tokenizer, compiled once per params
         self.grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
                                              self.eos_token_ids)
+        self.processor = InputProcessor(
+            self.tokenizer, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_logprobs=config.max_logprobs, capacity_tokens=self.kv.accounting.capacity_tokens,
+            grammars=self.grammars)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                        config.device)
         self.requests: dict[str, Request] = {}
@@ -121,17 +126,17 @@ class LLMEngine:
     def startup_report(self) -> list[str]:
         """What vLLM users read at start-up: capacity, concurrency, the KV geometry, which CPU
         kernels run (on the CPU) and how the decoder layers run."""
-        kv, cap = self.kv, self.kv.capacity_tokens
+        kv, cap = self.kv, self.kv.accounting.capacity_tokens
         return [
             f"model {self.executor.model_name} ({self.model_config.architecture}, "
             f"{self.executor.dtype}: {self.config.dtype_choice[1]}) on {self.config.device}, "
             f"loaded in "
             f"{self.startup_seconds:.1f} s",
-            f"KV cache: {kv.kv_mode} mode, {kv.usage.capacity_bytes / 2**20:,.0f} MiB physical "
+            f"KV cache: {kv.kv_mode} mode, {kv.accounting.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
-            f"{'on' if self.kv.prefix_caching else 'off'}",
-            kv.describe(),
+            f"{'on' if self.kv.prefix.enabled else 'off'}",
+            kv.accounting.describe(),
             *([cpu_kernels.report_line()] if self.config.device == "cpu" else []),
             *self.executor.describe(),
         ]
@@ -140,88 +145,38 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> Request:
-        """Validate and queue a request; ValueError (nothing queued) for bad input.
+        """Validate (:class:`InputProcessor`) and queue a request; ValueError (nothing
+        queued) for bad input.
 
         ``cache_salt``: requests with different salts never share prefix-cached KV.
         """
-        params = params or SamplingParams()
+        self._check_new(request_id)
+        return self.add(self.processor.process(request_id, prompt, params or SamplingParams(),
+                                               cache_salt=cache_salt,
+                                               arrival_time=arrival_time))
+
+    def add(self, request: EngineRequest) -> Request:
+        """Queue a request :attr:`processor` made (RuntimeError when closed, ValueError when
+        its id is in use; nothing queued then)."""
+        self._check_new(request.request_id)
+        params = request.params
+        req = Request(request.request_id, request.prompt_token_ids, params, request.max_tokens,
+                      prompt=request.prompt, cache_salt=request.cache_salt,
+                      bad_words_token_ids=request.bad_words_token_ids)
+        if request.arrival_time is not None:
+            req.arrival_time = request.arrival_time
+        seq = self.outputs.new_request(req, request.grammar)
+        seq.pending_forks = params.n - 1
+        self.requests[request.request_id] = req
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(req.prompt_token_ids)
+        return req
+
+    def _check_new(self, request_id: str) -> None:
         if not self._resources.alive:
             raise RuntimeError("this engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
-        self._check_token_params(params)
-        max_tokens = self._resolve_max_tokens(len(ids), params)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs "
-                             f"({self.config.max_num_seqs})")
-        if len(ids) > self.kv.capacity_tokens:
-            raise ValueError(f"the prompt ({len(ids)} tokens) can never fit in the KV cache "
-                             f"({self.kv.capacity_tokens} tokens)")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string (or None to share the "
-                             f"unsalted cache), got {cache_salt!r}")
-        if max_tokens == 0 and params.n != 1:
-            raise ValueError(f"max_tokens=0 (score the prompt only) needs n=1, got n={params.n}")
-        grammar = None
-        if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
-            grammar = self.grammars.new_state(params.structured_outputs)
-        req = Request(request_id, ids, params, max_tokens, prompt=text, cache_salt=cache_salt,
-                      bad_words_token_ids=bad_words_token_ids(self.tokenizer,
-                                                              params.bad_words or ()))
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        seq = self.outputs.new_request(req, grammar)
-        seq.pending_forks = params.n - 1
-        self.requests[request_id] = req
-        self.scheduler.add(seq)
-        self.counters.prompt_tokens += len(ids)
-        return req
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt).input_ids
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids
-                   if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return text, ids
-
-    def _check_token_params(self, params: SamplingParams) -> None:
-        """ValueError for logprobs past ``max_logprobs`` or token ids past the vocabulary."""
-        vocab = self.model_config.vocab_size
-        most = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > most:
-                raise ValueError(f"{name} must be at most {most} (max_logprobs), got {value}")
-        for name, ids in (("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad[:5]}")
-
-    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} "
-                             f"tokens; the prompt has {prompt_len}, leaving no room for output")
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
-                f"{params.max_tokens} in max_tokens)")
-        return params.max_tokens
 
     def abort_request(self, request_id: str, stop_reason: str | None = None
                       ) -> RequestOutput | None:
@@ -258,7 +213,7 @@ class LLMEngine:
 
         Running requests keep their KV (see ``PrefixCaching.reset``).
         """
-        return self.kv.reset_prefix_cache()
+        return self.kv.prefix.reset()
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -284,17 +239,17 @@ class LLMEngine:
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            plan, ready, prompt_seqs = plan_step(out)
+            plan, owners = plan_step(out)
             stats.num_seqs, stats.num_tokens = len(out.scheduled), plan.num_tokens
             t = time.perf_counter_ns()
             logits, prompt_hidden = self.executor.execute(plan)
             stats.execute_ns = time.perf_counter_ns() - t
-            self._record_prompt_logprobs(prompt_seqs, prompt_hidden)
+            self._record_prompt_logprobs(owners.prompt_spans, prompt_hidden)
             self.scheduler.update(out)
             # the KV manager maps ahead while the GPU computes (sampling syncs with it first)
-            with self.kv.mapping_ahead(PREMAP_LOOKAHEAD_TOKENS):
-                if ready:
-                    self._sample(logits, ready, touched)
+            with self.kv.mapping.ahead(PREMAP_LOOKAHEAD_TOKENS):
+                if owners.sampled:
+                    self._sample(logits, owners.sampled, touched)
         outputs = [self._output(req) for req in touched.values()]
         stats.total_ns = time.perf_counter_ns() - started
         return [o for o in outputs if o is not None]

@@ -20,10 +20,11 @@ cut from the text (kept with ``include_stop_str_in_output``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from vmkv.engine.detokenizer import IncrementalDetokenizer
+from vmkv.engine.output_state import RequestOutputState, SeqOutputState
 from vmkv.engine.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, RequestOutput
 from vmkv.engine.sequence import Request, Sequence
 from vmkv.sampling import SamplingState
@@ -31,26 +32,6 @@ from vmkv.sampling_params import RequestOutputKind
 from vmkv.structured.matcher import GrammarState
 
 logger = logging.getLogger("vmkv")
-
-
-@dataclass(eq=False, slots=True)
-class SeqOutputState:
-    """One sequence's output not yet emitted."""
-
-    detokenizer: IncrementalDetokenizer
-    unsent_text: str = ""
-    sent_tokens: int = 0  # output tokens emitted so far
-    unsent_logprobs: list[dict[int, float]] = field(default_factory=list)
-    sent_finish: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class RequestOutputState:
-    """One request's output not yet emitted, and its sum when its kind returns sums."""
-
-    sent_prompt: bool = False
-    unsent_prompt_logprobs: list[dict[int, float] | None] | None = None
-    total: OutputAccumulator | None = None  # CUMULATIVE and FINAL_ONLY
 
 
 class OutputProcessor:
@@ -66,12 +47,12 @@ class OutputProcessor:
     # -- sequences ----------------------------------------------------------------------------
     def new_request(self, req: Request, grammar: GrammarState | None) -> Sequence:
         """Set up ``req``'s output state and return its first sequence (sample 0)."""
-        kind = req.params.output_kind
-        wants_sum = kind is not RequestOutputKind.DELTA
-        req.output = RequestOutputState(total=OutputAccumulator() if wants_sum else None)
+        wants_sum = req.params.output_kind is not RequestOutputKind.DELTA
+        state = RequestOutputState(total=OutputAccumulator() if wants_sum else None)
         if req.params.prompt_logprobs is not None:  # the first prompt token has none
-            req.output.unsent_prompt_logprobs = [None]
+            state.unsent_prompt_logprobs = [None]
             req.num_prompt_logprobs = 1
+        req.output = state
         return self._new_sequence(req, 0, list(req.prompt_token_ids), grammar)
 
     def fork(self, parent: Sequence) -> list[Sequence]:

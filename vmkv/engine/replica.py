@@ -2,13 +2,14 @@
 ``multiprocessing`` Connection (the child side; the parent's is vmkv/engine/replica_client.py).
 
 The parent sends ``(call_id, command)`` pairs, the commands typed (vmkv/commands.py) and run by
-the dispatcher the async engine's thread uses (vmkv/engine/commands.py); ``call_id`` None asks
-for no reply. The replica sends ``(kind, call_id, payload)`` tuples, pickled by the Connection:
+the engine loop the async engine's thread runs too (vmkv/engine/engine_loop.py), here over the
+pipe (:class:`PipeTransport`); ``call_id`` None asks for no reply. The replica sends
+``(kind, call_id, payload)`` tuples, pickled by the Connection:
 
     parent -> replica                          replica -> parent
     (id, Add(...))                      ->     ("reply", id, (True, None)) or
                                                ("reply", id, (False, ValueError(...)))
-    (None, Abort(request_id, reason))   ->     its final output with the next outputs
+    (None, Abort(request_id, reason))   ->     ("outputs", None, [its final output])
     (id, AbortAll(reason))              ->     final outputs, ("reply", id, (True, n))
     (id, Call(fn))                      ->     ("reply", id, (True, fn(engine)))
     (None, Stop())                      ->     the engine closes, the process exits 0
@@ -35,20 +36,16 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from vmkv.commands import Command, Stop
+from vmkv.commands import Command
 from vmkv.config import EngineConfig
+from vmkv.engine.dispatcher import Done
+from vmkv.engine.engine_loop import EngineLoop
 from vmkv.parent_death import die_with_parent
 
 if TYPE_CHECKING:
-    from vmkv.engine.llm_engine import LLMEngine
     from vmkv.engine.outputs import RequestOutput
 
 logger = logging.getLogger("vmkv")
-
-#: seconds an idle replica waits for a command before looking again
-IDLE_POLL = 0.5
-#: seconds it waits while a request's grammar compiles on the helper thread
-COMPILE_POLL = 0.01
 
 
 def run_replica(index: int, config: EngineConfig, conn: Connection, parent_pid: int,
@@ -74,7 +71,7 @@ def run_replica(index: int, config: EngineConfig, conn: Connection, parent_pid: 
         return
     conn.send(("ready", None, os.getpid()))
     try:
-        ReplicaLoop(engine, conn).run()
+        EngineLoop(engine, PipeTransport(conn)).run()
     except (EOFError, OSError):  # the parent is gone
         pass
     except BaseException:  # noqa: BLE001 - a failed step: the parent fails our streams
@@ -86,63 +83,31 @@ def run_replica(index: int, config: EngineConfig, conn: Connection, parent_pid: 
     engine.close()
 
 
-class ReplicaLoop:
-    """Commands between steps, one step at a time, outputs back (as AsyncEngine's thread)."""
+class PipeTransport:
+    """The engine loop's side of the parent's pipe (see the module): ``(call_id, command)``
+    in, replies and outputs out."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
-        from vmkv.engine.commands import CommandRunner  # loads torch: not at module level
-
-        self.engine = engine
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._outputs: list[RequestOutput] = []  # final outputs of aborts, sent after a drain
-        self._commands = CommandRunner(engine, self._outputs.append)
 
-    def run(self) -> None:
-        """Until Stop (returns) or the parent's end closes (EOFError)."""
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._drain(timeout=0 if busy else
-                                   COMPILE_POLL if self._commands.waiting else IDLE_POLL):
-                    return
-                self._commands.poll()
-                self._flush()
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    if outputs:
-                        self.conn.send(("outputs", None, outputs))
-                else:  # idle: a dead tensor-parallel rank of this replica fails it now
-                    self.engine.check_health()
-        finally:
-            self._commands.close()
+    def receive(self, timeout: float) -> tuple[Command, Done] | None:
+        """The next command from the parent (EOFError once its end closed)."""
+        if not self.conn.poll(timeout):
+            return None
+        call_id, command = self.conn.recv()
+        return command, self._answer(call_id, command)
 
-    def _drain(self, timeout: float) -> bool:
-        """Handle every waiting command; False once told to stop."""
-        try:
-            while self.conn.poll(timeout):
-                timeout = 0
-                call_id, command = self.conn.recv()
-                if isinstance(command, Stop):
-                    return False
-                self._handle(call_id, command)
-        finally:
-            self._flush()
-        return True
+    def send(self, outputs: list[RequestOutput]) -> None:
+        self.conn.send(("outputs", None, outputs))
 
-    def _handle(self, call_id: int | None, command: Command) -> None:
+    def _answer(self, call_id: int | None, command: Command) -> Done:
         def done(ok: bool, value: Any) -> None:
             if call_id is not None:
                 self._reply(call_id, ok, value)
             elif not ok:
                 logger.warning("%r failed: %s", command, value)
 
-        self._commands.run(command, done)
-
-    def _flush(self) -> None:
-        if self._outputs:
-            outputs = list(self._outputs)
-            self._outputs.clear()
-            self.conn.send(("outputs", None, outputs))
+        return done
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         try:

@@ -31,8 +31,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from vmkv.commands import Abort, AbortAll, Add, Command, Stop
-from vmkv.engine.async_engine import EngineDeadError, RequestStream
+from vmkv.engine.errors import EngineDeadError
 from vmkv.engine.outputs import RequestOutput
+from vmkv.engine.request_stream import RequestStream
 from vmkv.sampling_params import SamplingParams
 
 logger = logging.getLogger("vmkv")
@@ -102,7 +103,7 @@ class ReplicaClient:
             await self.call(Add(request_id, prompt, params, cache_salt, max_waiting))
         except asyncio.CancelledError:
             self._forget(request_id)
-            self._submit(Abort(request_id))  # it may have been queued meanwhile
+            self.submit(Abort(request_id))  # it may have been queued meanwhile
             raise
         except BaseException:
             self._forget(request_id)
@@ -120,7 +121,7 @@ class ReplicaClient:
         self._outbox.put((call_id, command))
         return await asyncio.wrap_future(future)
 
-    def _submit(self, command: Command) -> None:
+    def submit(self, command: Command) -> None:
         """Send a command without waiting for a reply (what a stream's ``abort()`` uses)."""
         self._outbox.put((None, command))
 
@@ -129,7 +130,7 @@ class ReplicaClient:
         (another replica died: the whole engine fails)."""
         self._fail_all(error)
         if self.process.is_alive():
-            self._submit(AbortAll(error.args[0] if error.args else None))
+            self.submit(AbortAll(error.args[0] if error.args else None))
 
     # -- shutdown -----------------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -14,9 +14,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vmkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vmkv.engine.output_state import RequestOutputState, SeqOutputState
+    from vmkv.kv.base import SwappedKV
+    from vmkv.sampling import SamplingState
 
 
 class SeqStatus(enum.Enum):
@@ -44,22 +49,13 @@ class Request:
     error: str | None = None  # why the request failed (its KV memory was refused), if it did
     # with params.prompt_logprobs: prompt tokens scored so far (the first counts: it has none)
     num_prompt_logprobs: int | None = None
-    output: Any = None  # vmkv.engine.output_processor.RequestOutputState
+    output: RequestOutputState | None = None  # set by the output processor at admission
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenised
 
     @property
     def is_finished(self) -> bool:
         """Every sequence finished and no sample is still to be forked."""
         return all(s.is_finished for s in self.seqs) and not self.seqs[0].pending_forks
-
-
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The last ``keep`` prompt tokens (``SamplingParams.truncate_prompt_tokens``; -1: the last
-    ``max_model_len``; None: all)."""
-    if keep is None:
-        return ids
-    keep = max_model_len if keep == -1 else keep
-    return ids[-keep:] if len(ids) > keep else ids
 
 
 @dataclass(eq=False)
@@ -71,14 +67,14 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling_state: Any  # vmkv.sampling.SamplingState
+    sampling_state: SamplingState
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     pending_forks: int = 0  # children to fork once the prompt is prefilled
-    swapped: Any = None  # SwappedKV while preempted in swap mode
-    output: Any = None  # vmkv.engine.output_processor.SeqOutputState: what is not emitted yet
+    swapped: SwappedKV | None = None  # while preempted in swap mode
+    output: SeqOutputState | None = None  # what is not emitted yet (the output processor's)
 
     @property
     def num_tokens(self) -> int:

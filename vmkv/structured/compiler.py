@@ -4,7 +4,7 @@
 the server compiles a request's grammar in a worker thread before submitting it and the engine
 thread, which asks again at ``add_request``, only finds it in the cache; an engine loop given a
 request whose grammar is not compiled yet compiles it on a helper thread first
-(vmkv/engine/commands.py), so steps never wait for a compile. Everything xgrammar cannot parse,
+(vmkv/engine/dispatcher.py), so steps never wait for a compile. Everything xgrammar cannot parse,
 and JSON-schema keywords it would silently not enforce (``schema_check.py``), is a
 ``ValueError``.
 

@@ -1,5 +1,6 @@
-"""The one dispatcher of engine commands (vmkv/commands.py), shared by the async engine's
-thread and a data-parallel replica's loop: each runs :meth:`CommandRunner.run` between steps.
+"""The one dispatcher of engine commands (vmkv/commands.py): the engine loop
+(vmkv/engine/engine_loop.py) of the async engine's thread and of a data-parallel replica runs
+:meth:`CommandDispatcher.run` between steps.
 
     run(Add)       grammar compiled?  yes: admit now, answer ``done(True, None)``
                                       no:  compile on a helper thread; :meth:`poll` admits
@@ -8,7 +9,8 @@ thread and a data-parallel replica's loop: each runs :meth:`CommandRunner.run` b
                    goes to ``deliver``
     run(AbortAll)  every request and every waiting Add; ``done(True, how many)``
     run(Call)      ``done(True, fn(engine))``
-    run(Stop)      ``done(True, None)``; the loop ends itself
+
+(``Stop`` never reaches it: the loop ends on it.)
 
 ``done(ok, value)`` is the caller's answer (a future, a reply over a pipe); a bad command
 answers ``done(False, exception)`` and the loop goes on.
@@ -17,17 +19,17 @@ answers ``done(False, exception)`` and the loop goes on.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vmkv.commands import Abort, AbortAll, Add, Call, Command, Stop
+from vmkv.commands import Abort, AbortAll, Add, Call, Command
 from vmkv.engine.errors import EngineDeadError, EngineOverloadedError
-from vmkv.engine.llm_engine import LLMEngine
-from vmkv.engine.outputs import RequestOutput
 
-logger = logging.getLogger("vmkv")
+if TYPE_CHECKING:
+    from vmkv.engine.llm_engine import LLMEngine
+    from vmkv.engine.outputs import RequestOutput
 
+#: the answer to one command: ``done(True, result)`` or ``done(False, exception)``
 Done = Callable[[bool, Any], None]
 
 
@@ -40,7 +42,7 @@ def admit(engine: LLMEngine, add: Add) -> None:
     engine.add_request(add.request_id, add.prompt, add.params, cache_salt=add.cache_salt)
 
 
-class CommandRunner:
+class CommandDispatcher:
     """Runs commands on one engine, on the thread that steps it (see the module)."""
 
     def __init__(self, engine: LLMEngine, deliver: Callable[[RequestOutput], None]) -> None:
@@ -72,8 +74,6 @@ class CommandRunner:
                 result = len(ids)
             elif isinstance(command, Call):
                 result = command.fn(self.engine)
-            elif isinstance(command, Stop):
-                result = None
             else:
                 raise ValueError(f"unknown engine command {command!r}")
         except Exception as exc:  # bad input: the caller gets it, the loop goes on
