@@ -34,8 +34,8 @@ def main() -> None:
                 seq.token_ids.append(2)
                 if seq.num_output_tokens == OUTPUT_TOKENS:
                     sched.remove(seq)
-        state = " ".join(f"{r}:{kv.num_tokens(r)}/{len(kv.block_table(r))}"
-                         for r in PROMPT_LENS if kv.has_request(r))
+        state = " ".join(f"{r}:{kv.room.num_tokens(r)}/{len(kv.block_table(r))}"
+                         for r in PROMPT_LENS if kv.room.holds(r))
         preempted = [p.seq_id for p in out.preempted] or ""
         waiting = [w.seq_id for w in sched.waiting] or ""
         print(f"| {step} | {out.num_scheduled_tokens} | {preempted} | {kv.pool.num_free} "

@@ -172,8 +172,8 @@ def run_scenario(kv: Any, backend: Any, steps: list[dict[str, int]], *, tol: flo
     errors = []
     for step in steps:
         rids = list(step)
-        ctx = [kv.num_tokens(r) for r in rids]
-        lens = {r: kv.num_tokens(r) for r in kv.request_ids()}  # every live request
+        ctx = [kv.room.num_tokens(r) for r in rids]
+        lens = {r: kv.room.num_tokens(r) for r in kv.room.request_ids()}  # every live request
         for rid, n in step.items():
             assert kv.allocate(rid, n)
         lens.update(zip(rids, ctx, strict=True))
@@ -201,7 +201,7 @@ def run_scenario(kv: Any, backend: Any, steps: list[dict[str, int]], *, tol: flo
                 errors.append(err)
                 pos += n
     for rid in list(hist):  # the cache holds exactly what was written
-        n = kv.num_tokens(rid)
+        n = kv.room.num_tokens(rid)
         for layer in range(LAYERS):
             k, _ = kv.layer_kv(layer)
             if isinstance(kv, VirtualKVCache):

@@ -197,7 +197,7 @@ def drive(model: LlamaModel, kv: Any, attn: Any, runner: DecodeGraphRunner, *,
     eager(model, attn, rids, [0] * len(rids), [prompts[r] for r in rids], ids)
     buckets = []
     for step in decode_plan:
-        ctx = [kv.num_tokens(r) for r in step]
+        ctx = [kv.room.num_tokens(r) for r in step]
         for rid in step:
             assert kv.allocate(rid, 1)
         ids = torch.randint(0, vocab, (len(step),), generator=gen).tolist()
@@ -240,6 +240,7 @@ def cpu_replay(case: str) -> None:
         # the model's KV (2 layers x 2 heads x 32 x fp16) is 512 B/token: 128 tokens per page
         assert kv.layout.tokens_in(1) == 128
         mapper = BackgroundMapper(kv.backend)
+        kv.mapping.attach(mapper)  # closed with the KV manager
     else:
         kv = PagedKVCache(cfg.kv_spec(torch.float16), num_blocks=64, block_size=16,
                           max_model_len=1024)
@@ -249,15 +250,14 @@ def cpu_replay(case: str) -> None:
     factory = lambda: RecordedGraph(  # noqa: E731
         lambda: paused_at_capture.append(mapper is None or mapper._paused > 0))
     runner = DecodeGraphRunner(model, attn, max_batch_size=6, graph_factory=factory,
-                               mapper=mapper)
+                               pause_mapping=kv.mapping.paused)
     runner.capture()
     assert runner.captured == [1, 2, 4, 6] and all(paused_at_capture)
     prompts = {"a": 5, "b": 126, "c": 33, "d": 1, "e": 7}  # b crosses a page after capture
     buckets = drive(model, kv, attn, runner, prompts=prompts, decode_plan=PLAN, tol=2e-2)
     assert buckets == [4, 4, 6, 1, 2] and runner.num_replays == len(PLAN)
-    kv.check()
-    if mapper is not None:
-        mapper.close()
+    kv.accounting.check()
+    kv.mapping.close()
 
 
 def gpu_virtual_replay(kernel: str) -> None:
@@ -272,17 +272,16 @@ def gpu_virtual_replay(kernel: str) -> None:
                         max_model_len=2048)
     attn = CudaAttentionBackend(kv, kernel)
     assert kv.layout.tokens_in(1) == 1024
-    mapper = BackgroundMapper(kv.backend)
-    runner = DecodeGraphRunner(model, attn, max_batch_size=6, mapper=mapper)
+    kv.mapping.attach(BackgroundMapper(kv.backend))
+    runner = DecodeGraphRunner(model, attn, max_batch_size=6, pause_mapping=kv.mapping.paused)
     runner.capture()
     maps_before = kv.backend.stats.ops["map"].calls
     prompts = {"a": 5, "b": 1022, "c": 33, "d": 1, "e": 7}  # b maps a new page mid-decode
     drive(model, kv, attn, runner, prompts=prompts, decode_plan=PLAN, tol=2e-2)
     torch.cuda.synchronize()
     assert kv.backend.stats.ops["map"].calls > maps_before
-    kv.check()
-    mapper.close()
-    kv.close()
+    kv.accounting.check()
+    kv.close()  # its mapper too
 
 
 def gpu_paged_replay() -> None:

@@ -73,7 +73,7 @@ def greedy_generate(model: LlamaModel, kv: KVCacheManager, prompts: list[list[in
                 outputs[i].append(tok)
     for rid in rids:
         kv.free(rid)
-    kv.check()
+    kv.accounting.check()
     return outputs
 
 

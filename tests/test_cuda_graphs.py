@@ -112,16 +112,17 @@ def test_capture_pauses_the_mapper_and_drops_its_work() -> None:
     model, cfg = tiny_model(torch.float16, "cpu")
     kv, attn = virtual_setup("aten-flash", cfg)
     mapper = BackgroundMapper(kv.backend)
+    kv.mapping.attach(mapper)  # the KV manager owns it; the runner pauses it through the KV
     dropped: list[int] = []
     factory = lambda: RecordedGraph(  # noqa: E731
         lambda: dropped.append(mapper.submit([lambda: None])))
     runner = DecodeGraphRunner(model, attn, max_batch_size=2, graph_factory=factory,
-                               mapper=mapper)
+                               pause_mapping=kv.mapping.paused)
     runner.capture()
     assert dropped == [0, 0] and mapper.stats.units_dropped == 2
     assert mapper.submit([lambda: None]) == 1  # resumed after the capture
     mapper.wait()
-    mapper.close()
+    kv.mapping.close()
 
 
 def test_a_step_with_a_different_layout_is_refused() -> None:
@@ -177,10 +178,12 @@ def test_a_failed_capture_logs_its_cause_and_leaves_steps_eager(
     model, cfg = tiny_model(torch.float16, "cpu")
     kv, attn = virtual_setup("aten-flash", cfg)
     mapper = BackgroundMapper(kv.backend)
+    kv.mapping.attach(mapper)
     # a CUDA model as far as the factory looks (its device); the forward runs on the CPU
     cuda_model = SimpleNamespace(device=torch.device("cuda"), forward=model.forward)
     with caplog.at_level(logging.WARNING, logger="vmkv"):
-        runner = maybe_create_graph_runner(cuda_model, attn, max_batch_size=2, mapper=mapper,
+        runner = maybe_create_graph_runner(cuda_model, attn, max_batch_size=2,
+                                           pause_mapping=kv.mapping.paused,
                                            graph_factory=CaptureFails)
     assert runner is None
     assert ("capturing the decode steps failed: ValueError: Pointer argument (at 2) cannot be "
@@ -189,11 +192,11 @@ def test_a_failed_capture_logs_its_cause_and_leaves_steps_eager(
             ) in caplog.text
     assert mapper.submit([lambda: None]) == 1  # not left paused
     mapper.wait()
-    mapper.close()
+    kv.mapping.close()
     assert kv.allocate("a", 3)  # an eager step still runs
     eager(model, attn, ["a"], [0], [3], [1, 2, 3])
     kv.free("a")
-    kv.check()
+    kv.accounting.check()
 
 
 # -- GPU: real CUDA graphs ----------------------------------------------------------------------

@@ -49,15 +49,15 @@ def test_a_refused_growth_fails_that_request_alone(op: str, error: str, after: i
     with pytest.raises(VmmError, match=f"\\({error}\\)$") as failed:
         kv.allocate("b", 64)  # needs 2 more pages in each of 4 regions: the fault lands midway
     assert ("mmap" if op == "map" else "fallocate") in str(failed.value)
-    kv.check()  # every region rolled back: nothing half-mapped, no reference lost
-    assert kv.num_tokens("b") == 40 and kv.backend.faults.fired[op] == 1
+    kv.accounting.check()  # every region rolled back: nothing half-mapped, no reference lost
+    assert kv.room.num_tokens("b") == 40 and kv.backend.faults.fired[op] == 1
     assert kv.allocate("a", 64) and marks(kv, "a", 40) == [1.0] * 40  # others continue
     assert kv.allocate("b", 64)  # the fault was transient
-    kv.check()
+    kv.accounting.check()
     for rid in "ab":
         kv.free(rid)
-    kv.check()
-    assert kv.usage.bytes_in_use == 0
+    kv.accounting.check()
+    assert kv.accounting.usage.bytes_in_use == 0
 
 
 def test_an_exhausted_vma_budget_is_a_cannot_not_an_error() -> None:
@@ -65,8 +65,8 @@ def test_an_exhausted_vma_budget_is_a_cannot_not_an_error() -> None:
     assert kv.allocate("a", 10)
     kv.backend.faults.arm("map", "BUDGET", after=1)
     assert not kv.allocate("a", 100)  # False: the scheduler preempts, nothing changed
-    kv.check()
-    assert kv.num_tokens("a") == 10 and kv.allocate("a", 100)
+    kv.accounting.check()
+    assert kv.room.num_tokens("a") == 10 and kv.allocate("a", 100)
 
 
 @pytest.mark.parametrize("after", [0, 1, 3])
@@ -79,32 +79,32 @@ def test_copy_on_write_is_all_regions_or_none(after: int) -> None:
     kv.backend.faults.arm("map", "ENOMEM", after=after)  # fails the copy's map in region after
     with pytest.raises(VmmError, match="ENOMEM"):
         kv.allocate("c", 1)  # writing token 40 copies the shared partial page in every region
-    kv.check()  # every region still shares the page (lockstep), the fresh copies were returned
+    kv.accounting.check()  # every region still shares the page (lockstep), the copies went back
     assert kv.pool.num_free == free_before
     assert kv.allocate("c", 1)  # now it copies
     mark(kv, "c", 40, 1, 9.0)
     assert marks(kv, "p", 40) == [7.0] * 40 and marks(kv, "c", 41) == [7.0] * 40 + [9.0]
-    kv.check()
+    kv.accounting.check()
 
 
 def test_a_refused_share_fails_the_fork_and_the_prefix_hit() -> None:
     kv = cache()
     tokens = list(range(70))
     assert kv.allocate("a", 70)
-    kv.cache_computed("a", tokens, 70)
+    kv.prefix.publish("a", tokens, 70)
     kv.free("a")
-    assert kv.match_prefix("a2", tokens) == 64  # a's idle slot still maps them: nothing to map
+    assert kv.prefix.match("a2", tokens) == 64  # a's idle slot still maps them: nothing to map
     kv.backend.faults.arm("map", "EPERM", after=2)
     with pytest.raises(VmmError, match="EPERM"):
-        kv.match_prefix("b", tokens)  # maps the cached pages into another slot: refused midway
-    kv.check()
-    assert kv.num_tokens("b") == 0 and kv.match_prefix("b", tokens) == 64
+        kv.prefix.match("b", tokens)  # maps the cached pages into another slot: refused midway
+    kv.accounting.check()
+    assert kv.room.num_tokens("b") == 0 and kv.prefix.match("b", tokens) == 64
     kv.backend.faults.arm("map", "ENOMEM", after=1)
     with pytest.raises(VmmError):
         kv.fork("b", "c")
-    kv.check()
-    assert "c" not in kv.request_ids() and kv.fork("b", "c")
-    kv.check()
+    kv.accounting.check()
+    assert "c" not in kv.room.request_ids() and kv.fork("b", "c")
+    kv.accounting.check()
 
 
 def test_a_refused_release_keeps_the_page_idle_until_a_later_trim() -> None:
@@ -113,11 +113,11 @@ def test_a_refused_release_keeps_the_page_idle_until_a_later_trim() -> None:
     mark(kv, "a", 0, 100, 1.0)
     kv.backend.faults.arm("release", "EPERM")
     kv.free("a")
-    kv.check()
+    kv.accounting.check()
     assert kv.pool.num_idle > 0  # the punch hole was refused: still created, still counted
     assert kv.allocate("b", 1)
     kv.free("b")  # the next trim returns them
-    kv.check()
+    kv.accounting.check()
     assert kv.pool.num_idle == 0 and kv.backend.file_bytes() <= PAGE  # the anchor page at most
 
 
@@ -136,10 +136,10 @@ def test_random_faults_never_break_the_accounting() -> None:
             if action < 0.35 or not live:
                 rid = f"r{step}"
                 tokens = list(range(rng.randrange(1, 150)))
-                hit = kv.match_prefix(rid, tokens[: rng.randrange(1, len(tokens) + 1)])
+                hit = kv.prefix.match(rid, tokens[: rng.randrange(1, len(tokens) + 1)])
                 if kv.allocate(rid, len(tokens) - hit):
                     live[rid] = len(tokens)
-                    kv.cache_computed(rid, tokens, len(tokens))
+                    kv.prefix.publish(rid, tokens, len(tokens))
                 elif hit:
                     kv.free(rid)
             elif action < 0.7:
@@ -158,18 +158,19 @@ def test_random_faults_never_break_the_accounting() -> None:
         except VmmError as exc:
             assert not isinstance(exc, MappingBudgetExceeded)
             failures += 1
-            for rid in list(kv.request_ids()):  # a request that failed while new holds nothing
+            for rid in list(kv.room.request_ids()):  # a request that failed while new holds nothing
                 if rid not in live:
                     kv.free(rid)
-        kv.check()
-        assert {r: kv.num_tokens(r) for r in live} == live
+        kv.accounting.check()
+        assert {r: kv.room.num_tokens(r) for r in live} == live
     kv.backend.faults.disarm()
     for rid in list(live):
         kv.free(rid)
-    kv.reset_prefix_cache()
-    kv.check()
+    kv.prefix.reset()
+    kv.accounting.check()
     kept = sum(kv.mapped_pages(s) for s in kv.slots.idle) * len(kv.regions)  # kept for reuse
-    assert failures > 20 and kv.usage.bytes_in_use == 0 and kv.pool.num_in_use == kept <= 8
+    assert failures > 20 and kv.accounting.usage.bytes_in_use == 0
+    assert kv.pool.num_in_use == kept <= 8
     assert kv.pool.num_created <= 8
 
 
@@ -216,7 +217,7 @@ def _run(engine, params, faults: list[tuple[int, str, str]]) -> dict[str, object
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        engine.kv.check()  # exact after every step, faults or not
+        engine.kv.accounting.check()  # exact after every step, faults or not
         step += 1
     engine.kv.backend.faults.disarm()
     return finished
@@ -246,8 +247,8 @@ def test_the_engine_fails_only_the_request_whose_memory_was_refused() -> None:
             assert out.outputs[0].finish_reason == "error"
         else:  # untouched by the faults: the same tokens as without them
             assert out.outputs[0].token_ids == clean[rid].outputs[0].token_ids
-    assert engine.kv.usage.bytes_in_use == 0 and not engine.requests
-    engine.kv.check()
+    assert engine.kv.accounting.usage.bytes_in_use == 0 and not engine.requests
+    engine.kv.accounting.check()
     engine.close()
 
 
@@ -265,11 +266,11 @@ def test_a_refused_fork_fails_the_request_not_the_engine() -> None:
     outs = {}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
-        engine.kv.check()
+        engine.kv.accounting.check()
     assert outs["forked"].error and all(c.finish_reason == "error"
                                          for c in outs["forked"].outputs)
     assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 4
-    assert engine.kv.usage.bytes_in_use == 0
+    assert engine.kv.accounting.usage.bytes_in_use == 0
     engine.close()
 
 
@@ -285,7 +286,7 @@ def test_a_refused_swap_out_fails_the_victim_and_loses_no_request() -> None:
     engine = LLMEngine(EngineConfig(max_model_len=96, max_num_seqs=6, kv_cache_memory=6 << 20,
                                     max_idle_memory=0, enable_prefix_caching=False,
                                     preemption_mode="swap"))
-    real_swap_out, refused = engine.kv.swap_out, []
+    real_swap_out, refused = engine.kv.swap.out, []
 
     def swap_out_refused_once(request_id: str):  # noqa: ANN202
         if not refused:
@@ -293,11 +294,11 @@ def test_a_refused_swap_out_fails_the_victim_and_loses_no_request() -> None:
             raise VmmError("cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE (injected)")
         return real_swap_out(request_id)
 
-    engine.kv.swap_out = swap_out_refused_once
+    engine.kv.swap.out = swap_out_refused_once
     faulty = _run(engine, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), [])
     victim = refused[0].split(":")[0]  # a sequence id is "<request id>:<sample>"
     assert refused and set(faulty) == {f"r{i}" for i in range(len(PROMPTS))}
     assert faulty[victim].error and "KV cache memory error" in faulty[victim].error
     assert all(out.error is None for rid, out in faulty.items() if rid != victim)
-    assert engine.kv.usage.bytes_in_use == 0 and not engine.requests
+    assert engine.kv.accounting.usage.bytes_in_use == 0 and not engine.requests
     engine.close()

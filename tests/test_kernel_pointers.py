@@ -152,12 +152,12 @@ class AnyOpSequence(RuleBasedStateMachine):
     @rule(target=requests, which=st.integers(0, len(PROMPTS) - 1), n=st.integers(1, MAX_LEN))
     def add(self, which: int, n: int) -> str:
         rid = self._new_id()
-        if len(self.kv.request_ids()) >= SLOTS:
+        if len(self.kv.room.request_ids()) >= SLOTS:
             return rid
         tokens = PROMPTS[which][:n]
-        cached = self.kv.match_prefix(rid, tokens)  # a prefix hit maps cached pages
+        cached = self.kv.prefix.match(rid, tokens)  # a prefix hit maps cached pages
         if self.kv.allocate(rid, n - cached):
-            self.kv.cache_computed(rid, tokens, n)
+            self.kv.prefix.publish(rid, tokens, n)
             self.prompt_of[rid] = tokens
         elif cached:
             self.kv.free(rid)
@@ -165,7 +165,7 @@ class AnyOpSequence(RuleBasedStateMachine):
 
     @rule(rid=requests, n=st.integers(1, 64))
     def grow(self, rid: str, n: int) -> None:
-        if rid in self.prompt_of and self.kv.num_tokens(rid) + n <= MAX_LEN:
+        if rid in self.prompt_of and self.kv.room.num_tokens(rid) + n <= MAX_LEN:
             self.kv.allocate(rid, n)
 
     @rule(target=requests, rid=requests)
@@ -179,8 +179,8 @@ class AnyOpSequence(RuleBasedStateMachine):
     def swap(self, rid: str) -> None:
         if rid not in self.prompt_of:
             return
-        swapped = self.kv.swap_out(rid)
-        if not self.kv.swap_in(rid, swapped):
+        swapped = self.kv.swap.out(rid)
+        if not self.kv.swap.back(rid, swapped):
             del self.prompt_of[rid]
 
     @rule(rid=consumes(requests))
@@ -192,7 +192,7 @@ class AnyOpSequence(RuleBasedStateMachine):
     @invariant()
     def kernel_arguments_have_mapped_bases(self) -> None:
         launch_with_every_kv_tensor(self.attn, self.driver)
-        self.kv.check()
+        self.kv.accounting.check()
 
     def teardown(self) -> None:
         for rid in list(self.prompt_of):
@@ -254,7 +254,7 @@ def _triton_step(layout: str) -> None:
         step(["c", "b"], [0, 41], [3, 1])
     kv.free("b")
     kv.free("c")
-    kv.check()
+    kv.accounting.check()
     kv.close()
 
 

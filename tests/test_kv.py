@@ -38,9 +38,9 @@ def test_paged_block_ids_and_free_order_are_exact() -> None:
     kv.free("a")  # tail first: 3, 1, 0 join the queue behind 4..7
     assert list(kv.pool.free_queue) == [4, 5, 6, 7, 3, 1, 0]
     assert kv.allocate("c", 64) and kv.block_table("c") == [4, 5, 6, 7]
-    assert not kv.allocate("d", 64) and kv.num_tokens("d") == 0  # cannot, nothing changed
+    assert not kv.allocate("d", 64) and kv.room.num_tokens("d") == 0  # cannot, nothing changed
     assert list(kv.pool.free_queue) == [3, 1, 0]
-    kv.check()
+    kv.accounting.check()
 
 
 def test_paged_copy_on_write_copies_once_as_in_the_seed() -> None:
@@ -55,11 +55,11 @@ def test_paged_copy_on_write_copies_once_as_in_the_seed() -> None:
     assert kv.pool.ref_cnt[:3] == [2, 1, 1]
     assert kv.allocate("A2", 1)  # block 1 is no longer shared: written in place
     assert kv.block_table("A2") == [0, 1] and kv.pool.num_in_use == 3  # one copy in total
-    kv.check()
+    kv.accounting.check()
     kv.free("A")
     kv.free("A2")
     assert kv.pool.num_in_use == 0
-    kv.check()
+    kv.accounting.check()
 
 
 # -- virtual ------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_virtual_grows_page_by_page_and_views_alias_the_slot() -> None:
     assert float(raw[first + token_floats // 2]) == 5.0
     assert k.data_ptr() != v.data_ptr() and k.stride(1) == token_floats
     kv.free("a")
-    kv.check()
+    kv.accounting.check()
 
 
 @pytest.mark.parametrize("layout", ["all-layers", "per-layer"])
@@ -103,7 +103,7 @@ def test_virtual_copy_on_write_keeps_both_histories(layout: str) -> None:
         assert torch.equal(v[kv.slot("c"), :37], v[kv.slot("p"), :37])
         assert float(k[kv.slot("c"), 37].sum()) == 128.0
         assert float(k[kv.slot("p"), 37].sum()) == 256.0
-    kv.check()
+    kv.accounting.check()
 
 
 def test_per_layer_growth_is_mirrored_across_the_region_partitions() -> None:
@@ -132,11 +132,11 @@ def test_per_layer_growth_is_mirrored_across_the_region_partitions() -> None:
                for layer in range(SPEC.num_layers) for t in kv.layer_kv(layer))
     for page in stolen:
         pool.release(page)
-    kv.check()
+    kv.accounting.check()
     for rid in "ab":
         kv.free(rid)
-    kv.check()
-    assert kv.usage.bytes_in_use == 0
+    kv.accounting.check()
+    assert kv.accounting.usage.bytes_in_use == 0
 
 
 def _present(va: int, nbytes: int) -> list[bool]:
@@ -162,14 +162,15 @@ def test_a_precreated_host_pool_warms_the_idle_slots_at_start_up() -> None:
                          kv_cache_memory=regions * 32 * page, precreate=True)
     kv = create_kv_cache(config, SPEC, num_slots=slots, max_model_len=1024)
     assert isinstance(kv, VirtualKVCache)
-    assert kv.warm_pages == 4  # (128 pages / 2) / (4 regions x 4 slots)
+    # (128 pages / 2) / (4 regions x 4 slots)
+    assert "4 per slot and region mapped at start-up" in kv.accounting.describe()
     assert kv.slots.mapped[1:] == [4] * slots and kv.pool.num_free == 64
     populate = kv.backend.stats.ops["populate"]
     assert (populate.calls, populate.pages) == (regions * slots, 64)
     for slot in range(1, slots + 1):
         for region in kv.regions:
             assert all(_present(region.va_of(kv.layout.slot_pages * slot), 4 * page))
-    kv.check()
+    kv.accounting.check()
 
     maps = kv.backend.stats.ops["map"].calls
     assert kv.allocate("fits", 100)  # 4 pages: its slot's own
@@ -183,11 +184,11 @@ def test_a_precreated_host_pool_warms_the_idle_slots_at_start_up() -> None:
             t[kv.slot("grows"), :300] = float(layer + 1)
     assert all(float(t[kv.slot("grows"), :300].sum()) == (layer + 1) * 300 * 128
                for layer in range(SPEC.num_layers) for t in kv.layer_kv(layer))
-    kv.check()
+    kv.accounting.check()
     for rid in ("fits", "grows"):
         kv.free(rid)
-    kv.check()
-    assert kv.usage.bytes_in_use == 0
+    kv.accounting.check()
+    assert kv.accounting.usage.bytes_in_use == 0
     assert kv.pool.num_in_use == sum(kv.slots.mapped) * regions  # kept by the idle slots
     kv.close()
 
@@ -201,7 +202,8 @@ def test_no_slot_is_warmed_when_memory_is_created_on_demand_or_elastic(
     kv = create_kv_cache(CacheConfig(kv_mode="virtual", kv_cache_memory=1 << 20, **config),
                          SPEC, num_slots=4, max_model_len=1024)
     assert isinstance(kv, VirtualKVCache)
-    assert kv.warm_pages == 0 and kv.slots.mapped[1:] == [0] * 4
+    assert "0 per slot and region mapped" in kv.accounting.describe()
+    assert kv.slots.mapped[1:] == [0] * 4
     assert kv.allocate("a", 40)
     first = kv.regions[0].va_of(kv.layout.slot_pages * kv.slot("a"))
     assert not any(_present(first, kv.pool.page_size))  # mapped, not yet faulted in
@@ -220,7 +222,7 @@ def test_virtual_deferred_reclamation_reuses_the_best_fitting_slot() -> None:
     assert kv.allocate("x", 50) and kv.slot("x") == small  # 2 pages cover it: best fit
     assert kv.allocate("y", 200) and kv.slot("y") == big
     assert kv.backend.stats.ops["map"].calls == maps  # no map call at all
-    kv.check()
+    kv.accounting.check()
 
 
 def test_virtual_reclaims_idle_and_surplus_pages_when_short() -> None:
@@ -231,17 +233,17 @@ def test_virtual_reclaims_idle_and_surplus_pages_when_short() -> None:
     assert kv.allocate("c", 8 * 32)  # needs 8: 2 free + 6 reclaimed from b's surplus tail
     assert kv.mapped_pages(kv.slot("b")) == 2 and kv.pool.num_free == 0
     assert not kv.allocate("d", 1)
-    kv.check()
+    kv.accounting.check()
 
 
 def test_virtual_runs_out_of_slots_and_length() -> None:
     kv = virtual(slots=2, max_model_len=100)
     assert kv.allocate("a", 1) and kv.allocate("b", 1)
-    assert not kv.can_allocate("c", 1) and not kv.allocate("c", 1)
+    assert not kv.room.can_allocate("c", 1) and not kv.allocate("c", 1)
     assert not kv.fork("a", "c")
     with pytest.raises(ValueError, match="over max_model_len \\(100\\)"):
         kv.allocate("a", 100)
-    kv.check()
+    kv.accounting.check()
 
 
 def test_elastic_pool_returns_memory_beyond_the_low_water_mark() -> None:
@@ -255,22 +257,22 @@ def test_elastic_pool_returns_memory_beyond_the_low_water_mark() -> None:
     for rid in "abc":
         kv.free(rid)
     # at most 4 pages stay mapped in idle slots, at most 2 idle in the pool
-    assert kv.usage.bytes_held <= 4 * PAGE and pool.num_idle <= 2
+    assert kv.accounting.usage.bytes_held <= 4 * PAGE and pool.num_idle <= 2
     assert backend.file_bytes() == pool.num_created * PAGE <= 6 * PAGE
-    kv.check()
+    kv.accounting.check()
 
 
 def test_usage_is_exact() -> None:
     kv = virtual(num_pages=32)
     assert kv.allocate("a", 40) and kv.allocate("b", 10)
-    u = kv.usage
+    u = kv.accounting.usage
     assert (u.num_requests, u.num_tokens) == (2, 50)
     assert u.bytes_in_use == 3 * PAGE and u.token_bytes == 50 * SPEC.bytes_per_token
-    assert u.capacity_bytes == 32 * PAGE and kv.capacity_tokens == 32 * 32
+    assert u.capacity_bytes == 32 * PAGE and kv.accounting.capacity_tokens == 32 * 32
     p = paged(num_blocks=64)
     assert p.allocate("a", 40) and p.allocate("b", 10)
-    assert p.usage.bytes_in_use == 4 * 16 * SPEC.bytes_per_token
-    assert p.usage.token_bytes == 50 * SPEC.bytes_per_token
+    assert p.accounting.usage.bytes_in_use == 4 * 16 * SPEC.bytes_per_token
+    assert p.accounting.usage.token_bytes == 50 * SPEC.bytes_per_token
 
 
 @pytest.mark.parametrize(

@@ -53,13 +53,13 @@ class BothModes(RuleBasedStateMachine):
 
     def _paged_rows(self, rid: str) -> torch.Tensor:
         table = torch.tensor(self.paged.block_table(rid), dtype=torch.int64)
-        pos = torch.arange(self.paged.num_tokens(rid))
+        pos = torch.arange(self.paged.room.num_tokens(rid))
         return table[pos // BLOCK] * BLOCK + pos % BLOCK
 
     def _grow(self, rid: str, n: int) -> bool:
-        cur = self.paged.num_tokens(rid)
-        can = self.paged.can_allocate(rid, n)
-        assert self.virtual.can_allocate(rid, n) == can
+        cur = self.paged.room.num_tokens(rid)
+        can = self.paged.room.can_allocate(rid, n)
+        assert self.virtual.room.can_allocate(rid, n) == can
         ok_v = self.virtual.allocate(rid, n)
         ok_p = self.paged.allocate(rid, n)
         assert ok_v == ok_p == can, (rid, n, ok_v, ok_p)
@@ -71,7 +71,7 @@ class BothModes(RuleBasedStateMachine):
     @rule(target=requests, n=st.integers(0, 70))
     def add(self, n: int) -> str:
         rid = f"r{self.counter}-{len(self.history)}"
-        if len(self.virtual.request_ids()) >= SLOTS:
+        if len(self.virtual.room.request_ids()) >= SLOTS:
             return rid  # a slot-bound refusal the paged mode has no analogue of
         if self._grow(rid, n):
             self.history.setdefault(rid, [])
@@ -86,7 +86,7 @@ class BothModes(RuleBasedStateMachine):
     def fork(self, rid: str) -> str:
         child = f"{rid}/f{self.counter}"
         self.counter += 1
-        if rid in self.history and len(self.virtual.request_ids()) < SLOTS:
+        if rid in self.history and len(self.virtual.room.request_ids()) < SLOTS:
             assert self.virtual.fork(rid, child) and self.paged.fork(rid, child)
             self.history[child] = list(self.history[rid])
         return child
@@ -101,14 +101,14 @@ class BothModes(RuleBasedStateMachine):
     # -- invariants -------------------------------------------------------------------------
     @invariant()
     def accounting_is_exact_and_equal(self) -> None:
-        self.virtual.check()
-        self.paged.check()
-        uv, up = self.virtual.usage, self.paged.usage
+        self.virtual.accounting.check()
+        self.paged.accounting.check()
+        uv, up = self.virtual.accounting.usage, self.paged.accounting.usage
         assert uv.num_requests == up.num_requests == len(self.history)
         assert uv.num_tokens == up.num_tokens == sum(len(h) for h in self.history.values())
         assert uv.bytes_in_use == up.bytes_in_use
         assert uv.token_bytes == up.token_bytes
-        assert self.virtual.capacity_tokens == self.paged.capacity_tokens
+        assert self.virtual.accounting.capacity_tokens == self.paged.accounting.capacity_tokens
 
     @invariant()
     def histories_survive_copy_on_write(self) -> None:
@@ -128,7 +128,7 @@ class BothModes(RuleBasedStateMachine):
             self.virtual.free(rid)
             self.paged.free(rid)
         assert self.paged.pool.num_in_use == 0
-        assert self.virtual.usage.bytes_in_use == 0
+        assert self.virtual.accounting.usage.bytes_in_use == 0
         self.virtual.close()
         assert self.virtual.pool.num_in_use == 0 and self.virtual.pool.num_vmas == 0
 

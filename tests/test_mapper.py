@@ -160,7 +160,7 @@ def write_rows(kv: VirtualKVCache, rid: str, start: int, stop: int) -> None:
 
 
 def check_rows(kv: VirtualKVCache, rid: str) -> None:
-    slot, n = kv.slot(rid), kv.num_tokens(rid)
+    slot, n = kv.slot(rid), kv.room.num_tokens(rid)
     want = (torch.arange(n, dtype=torch.float32) + 1000 * slot).view(-1, 1, 1)
     for layer in range(SPEC.num_layers):
         for t in kv.layer_kv(layer):
@@ -172,7 +172,7 @@ def test_requests_grow_while_the_mapper_premaps(layout: str) -> None:
     kv, backend = kv_cache(num_pages=160 if layout == "per-layer" else 96, layout=layout)
     calls = MapCalls(backend)
     mapper = BackgroundMapper(backend)
-    kv.attach_mapper(mapper)
+    kv.mapping.attach(mapper)
     rids = [f"r{i}" for i in range(6)]
     first = 5 if layout == "all-layers" else 80  # every request crosses a page boundary
     for i, rid in enumerate(rids):
@@ -189,12 +189,12 @@ def test_requests_grow_while_the_mapper_premaps(layout: str) -> None:
             write_rows(kv, "n0", 0, 3)
             rids.append("n0")
         for rid in rids:  # the decode step: one token each
-            n = kv.num_tokens(rid)
+            n = kv.room.num_tokens(rid)
             assert kv.allocate(rid, 1)
             write_rows(kv, rid, n, n + 1)
-        mapper.submit(kv.premap_ahead(lookahead))  # the GPU would compute now
+        mapper.submit(kv.mapping.units(lookahead))  # the GPU would compute now
         time.sleep(0.002)
-    kv.check()  # waits for the mapper, then every invariant (no leak, no alias, prefixes)
+    kv.accounting.check()  # waits for the mapper, then every invariant (no leak, no alias...)
     for rid in rids:
         check_rows(kv, rid)
     engine_maps = calls.by_thread.get("MainThread", 0) - engine_maps_before
@@ -212,18 +212,18 @@ def test_requests_grow_while_the_mapper_premaps(layout: str) -> None:
 def test_premap_maps_only_free_pages_and_never_reclaims() -> None:
     kv, backend = kv_cache(num_pages=4, slots=4)
     mapper = BackgroundMapper(backend)
-    kv.attach_mapper(mapper)
+    kv.mapping.attach(mapper)
     assert kv.allocate("a", 60)  # 2 pages
     assert kv.allocate("b", 40)  # 2 pages: the pool is full
     kv.free("b")  # b's slot keeps its 2 pages (deferred): reclaimable, not free
     assert kv.pool.num_free == 0
-    mapper.submit(kv.premap_ahead(64))
+    mapper.submit(kv.mapping.units(64))
     mapper.wait()
-    assert kv.mapped_pages(kv.slot("a")) == 2 and kv.usage.bytes_held == 4 * PAGE
+    assert kv.mapped_pages(kv.slot("a")) == 2 and kv.accounting.usage.bytes_held == 4 * PAGE
     assert backend.stats.ops["unmap"].calls == 0
     assert kv.allocate("a", 10)  # the engine thread reclaims b's idle pages itself
     assert kv.mapped_pages(kv.slot("a")) == 3
-    kv.check()
+    kv.accounting.check()
     kv.close()
     mapper.close()
 
@@ -232,13 +232,13 @@ def test_premap_units_are_skipped_for_requests_gone_before_they_run() -> None:
     kv, backend = kv_cache()
     mapper = BackgroundMapper(backend)
     assert kv.allocate("a", 30) and kv.allocate("b", 30)
-    units = kv.premap_ahead(30)  # both need a second page (60 tokens)
+    units = kv.mapping.units(30)  # both need a second page (60 tokens)
     assert len(units) == 2
     kv.free("a")
     assert [u() for u in units] == [0, 1]  # a is gone: nothing mapped for it
-    kv.attach_mapper(mapper)
+    kv.mapping.attach(mapper)
     assert kv.mapped_pages(kv.slot("b")) == 2
-    kv.check()
+    kv.accounting.check()
     kv.close()
     mapper.close()
 
@@ -246,7 +246,7 @@ def test_premap_units_are_skipped_for_requests_gone_before_they_run() -> None:
 def test_kv_calls_wait_for_running_units() -> None:
     kv, backend = kv_cache()
     mapper = BackgroundMapper(backend)
-    kv.attach_mapper(mapper)
+    kv.mapping.attach(mapper)
     assert kv.allocate("a", 30)
     started = threading.Event()
     order: list[str] = []
@@ -256,9 +256,9 @@ def test_kv_calls_wait_for_running_units() -> None:
         time.sleep(0.1)
         order.append("unit done")
 
-    mapper.submit([slow_unit, *kv.premap_ahead(40)])
+    mapper.submit([slow_unit, *kv.mapping.units(40)])
     started.wait()
-    assert kv.num_tokens("a") == 30  # plain reads do not wait
+    assert kv.room.num_tokens("a") == 30  # plain reads do not wait
     assert kv.allocate("a", 10)  # waits for both units, then finds the page mapped
     order.append("allocated")
     assert order == ["unit done", "allocated"]
@@ -275,7 +275,7 @@ def test_prefix_cache_calls_wait_for_running_units() -> None:
     kv = VirtualKVCache(SPEC, pool=PagePool(backend, 96), num_slots=8, max_model_len=1024,
                         enable_prefix_caching=True)
     mapper = BackgroundMapper(backend)
-    kv.attach_mapper(mapper)
+    kv.mapping.attach(mapper)
     started = threading.Event()
 
     def slow_unit() -> None:
@@ -283,17 +283,17 @@ def test_prefix_cache_calls_wait_for_running_units() -> None:
         time.sleep(0.1)
 
     tokens = list(range(100))
-    for call in (lambda: kv.match_prefix("a", tokens),
-                 lambda: kv.cache_computed("a", tokens, 60)):
+    for call in (lambda: kv.prefix.match("a", tokens),
+                 lambda: kv.prefix.publish("a", tokens, 60)):
         started.clear()
         mapper.submit([slow_unit])
         started.wait()
         waited = mapper.stats.stalled_waits
         call()
         assert mapper.stats.stalled_waits == waited + 1
-        if not kv.has_request("a"):
+        if not kv.room.holds("a"):
             assert kv.allocate("a", 100)
-    kv.check()
+    kv.accounting.check()
     kv.close()
     mapper.close()
 

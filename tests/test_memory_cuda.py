@@ -116,16 +116,17 @@ def test_virtual_kv_cache_obeys_the_driver_rules() -> None:
     drv.calls.clear()
     assert kv.allocate("b", 1)  # writes into the shared second page: copy-on-write
     assert drv.calls.index("synchronize") < drv.calls.index("cuMemUnmap")
-    kv.check()
+    kv.accounting.check()
     assert kv.allocate("c", 8192)  # 16 pages
     assert not kv.allocate("d", 8192)  # 16 more do not fit: "cannot"
     kv.free("c")  # deferred: the slot keeps its 16 pages mapped
     assert pool.num_in_use == 3 + 16  # a: 2, b: its copy (page 0 is shared), c's slot: 16
-    assert kv.usage.bytes_in_use == 3 * GRAN and kv.usage.bytes_held == 19 * GRAN
+    usage = kv.accounting.usage
+    assert usage.bytes_in_use == 3 * GRAN and usage.bytes_held == 19 * GRAN
     drv.calls.clear()
     assert kv.allocate("d", 8192)  # best fit: takes c's slot, no driver call at all
     assert drv.calls == []
-    kv.check()
+    kv.accounting.check()
     for rid in ("a", "b", "d"):
         kv.free(rid)
     kv.close()

@@ -34,16 +34,17 @@ def virtual(page: int = 16 * 2048, num_pages: int = 32, layout: str = "all-layer
 
 def compute(kv, rid: str, tokens: list[int], salt: str | None = None) -> int:
     """Admit a request the way the scheduler does and 'compute' its whole prompt."""
-    hit = kv.match_prefix(rid, tokens, salt)
+    hit = kv.prefix.match(rid, tokens, salt)
     assert kv.allocate(rid, len(tokens) - hit)
-    kv.cache_computed(rid, tokens, len(tokens), salt)
+    kv.prefix.publish(rid, tokens, len(tokens), salt)
     return hit
 
 
 def units(kv, rid: str) -> list:
     if isinstance(kv, PagedKVCache):
         return kv.block_table(rid)
-    return [kv.prefix.units.unit_payload(rid, i) for i in range(kv.mapped_pages(kv.slot(rid)))]
+    store = kv.prefix.caching.units
+    return [store.unit_payload(rid, i) for i in range(kv.mapped_pages(kv.slot(rid)))]
 
 
 MAKERS = {"paged": paged, "virtual": virtual}
@@ -56,7 +57,8 @@ def test_a_common_prefix_is_shared_not_recomputed(mode: str) -> None:
     assert compute(kv, "a", base) == 0
     first_units = units(kv, "a")[:2]
     kv.free("a")  # the full units stay cached, held only by the cache
-    assert kv.usage.bytes_in_use == 0 and kv.usage.bytes_cached == 2 * 16 * 2048
+    usage = kv.accounting.usage
+    assert usage.bytes_in_use == 0 and usage.bytes_cached == 2 * 16 * 2048
     hit = compute(kv, "b", base[:33] + [7] * 10)
     assert hit == 32  # two full units; token 32 is in the third, which differs
     assert units(kv, "b")[:2] == first_units  # the same physical blocks/pages ...
@@ -64,7 +66,7 @@ def test_a_common_prefix_is_shared_not_recomputed(mode: str) -> None:
     for unit in first_units:  # ... referenced by the cache and by b
         for page in (unit if isinstance(unit, tuple) else (unit,)):
             assert refs[page] == 2
-    kv.check()
+    kv.accounting.check()
 
 
 def test_virtual_keeps_a_cached_prefix_mapped_and_a_hit_adopts_it_in_place() -> None:
@@ -76,20 +78,20 @@ def test_virtual_keeps_a_cached_prefix_mapped_and_a_hit_adopts_it_in_place() -> 
     compute(kv, "a", base)
     slot, cached = kv.slot("a"), units(kv, "a")[:2]
     kv.free("a")
-    assert kv.mapped_pages(slot) == 3 and kv.usage.bytes_cached == 2 * 16 * 2048
-    maps = kv.memory_stats()["map"]["calls"]
+    assert kv.mapped_pages(slot) == 3 and kv.accounting.usage.bytes_cached == 2 * 16 * 2048
+    maps = kv.accounting.memory_stats()["map"]["calls"]
     assert maps > 0
-    assert kv.match_prefix("b", base[:33] + [7] * 10, None) == 32
+    assert kv.prefix.match("b", base[:33] + [7] * 10, None) == 32
     assert kv.slot("b") == slot and units(kv, "b")[:2] == cached
-    assert kv.memory_stats()["map"]["calls"] == maps  # nothing mapped
-    kv.check()
+    assert kv.accounting.memory_stats()["map"]["calls"] == maps  # nothing mapped
+    kv.accounting.check()
     kv.free("b")
     other = list(range(500, 540))
     for rid in ("c", "d"):  # take every idle slot; the cached prefix survives
         assert compute(kv, rid, other if rid == "c" else [9] * 40) == 0
     assert all(kv.pool.ref_cnt[p] >= 1 for unit in cached for p in unit)
     assert compute(kv, "e", base) == 32 and units(kv, "e")[:2] == cached
-    kv.check()
+    kv.accounting.check()
 
 
 @pytest.mark.parametrize("mode", MAKERS)
@@ -101,7 +103,7 @@ def test_one_differing_token_invalidates_the_chain_from_its_unit(mode: str) -> N
     changed[40] = 1  # in unit 2
     assert compute(kv, "b", changed) == 32  # units 0 and 1 still hit, 2 and 3 not
     assert compute(kv, "c", base) == 48  # (64 - 1) // 16 units: the last token is recomputed
-    kv.check()
+    kv.accounting.check()
 
 
 @pytest.mark.parametrize("mode", MAKERS)
@@ -112,7 +114,7 @@ def test_different_salts_never_share(mode: str) -> None:
     assert compute(kv, "b", tokens, salt="tenant-2") == 0
     assert compute(kv, "c", tokens) == 0
     assert compute(kv, "d", tokens, salt="tenant-1") == 48
-    kv.check()
+    kv.accounting.check()
 
 
 def test_pages_holding_fractional_tokens_share_only_whole_pages() -> None:
@@ -123,11 +125,11 @@ def test_pages_holding_fractional_tokens_share_only_whole_pages() -> None:
         tokens = list(range(500, 537))
         compute(cache, "a", tokens)
         assert compute(cache, "b", tokens[:27] + [1, 2, 3]) == (27 // per_page) * per_page
-        cache.check()
+        cache.accounting.check()
     # 3072 B rows on 4 KiB pages: page 1 holds the end of token 1 and the start of token 2
     frac = VirtualKVCache(KVSpec(2, 3, 64), pool=PagePool(HostMemoryBackend(4096, 64), 64),
                           num_slots=3, max_model_len=64, enable_prefix_caching=True)
-    assert [frac.prefix.units.unit_span(p) for p in range(3)] == [(0, 2), (1, 3), (2, 4)]
+    assert [frac.prefix.caching.units.unit_span(p) for p in range(3)] == [(0, 2), (1, 3), (2, 4)]
     tokens = list(range(10, 30))
     compute(frac, "a", tokens)
     copies = frac.pool.num_in_use
@@ -137,7 +139,7 @@ def test_pages_holding_fractional_tokens_share_only_whole_pages() -> None:
     assert frac.pool.num_in_use > copies
     k = frac.layer_kv(0)[0]
     assert torch.equal(k[frac.slot("b"), :8], k[frac.slot("a"), :8])
-    frac.check()
+    frac.accounting.check()
 
 
 @pytest.mark.parametrize("mode", MAKERS)
@@ -147,21 +149,21 @@ def test_reset_forgets_every_unit_and_leaves_running_requests_their_kv(mode: str
     compute(kv, "idle", idle)
     kv.free("idle")  # 2 units held only by the cache
     compute(kv, "run", running)  # 3 units held by the cache and by "run"
-    free_before = kv.free_units
+    free_before = kv.room.free_units
     run_units = units(kv, "run")
-    assert kv.reset_prefix_cache() == 5
-    assert kv.usage.bytes_cached == 0 and len(kv.prefix) == 0
-    assert kv.free_units == free_before  # cache-only units were already counted as free
+    assert kv.prefix.reset() == 5
+    assert kv.accounting.usage.bytes_cached == 0 and len(kv.prefix.caching) == 0
+    assert kv.room.free_units == free_before  # cache-only units were already counted as free
     assert units(kv, "run") == run_units  # "run" keeps its KV, now its own
     assert all(kv.pool.ref_cnt[p] == 1 for u in run_units[:3]
                for p in (u if isinstance(u, tuple) else (u,)))
     assert compute(kv, "again", idle) == 0 and compute(kv, "again2", running) == 0
-    kv.check()
+    kv.accounting.check()
     for rid in ("run", "again", "again2"):
         kv.free(rid)
-    assert kv.reset_prefix_cache() == 5
-    kv.check()
-    assert kv.usage.bytes_in_use == 0 and kv.usage.bytes_cached == 0
+    assert kv.prefix.reset() == 5
+    kv.accounting.check()
+    assert kv.accounting.usage.bytes_in_use == 0 and kv.accounting.usage.bytes_cached == 0
 
 
 def test_hash_chain_is_deterministic_and_salted() -> None:
@@ -213,27 +215,28 @@ def test_500_random_requests_with_shared_prefixes_evictions_and_aborts(mode: str
             victim = rng.choice(live)
             sched.remove(victim)
             live.remove(victim)
-        kv.check()
+        kv.accounting.check()
         steps += 1
         assert steps < 20_000
-    usage = kv.usage
+    usage = kv.accounting.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0
-    assert kv.prefix.hits > 0 and kv.prefix.queries > kv.prefix.hits
+    assert kv.prefix.caching.hits > 0 and kv.prefix.caching.queries > kv.prefix.caching.hits
     if mode == "virtual":  # idle slots still map the pages their last requests cached
-        assert kv.usage.bytes_cached > 0
+        assert kv.accounting.usage.bytes_cached > 0
         for slot in sorted(kv.slots.idle):
-            kv._unmap_tail(slot, kv.slots.mapped[slot])
+            kv.changes.unmap_tail(slot, kv.slots.mapped[slot])
     # every cached unit is the cache's alone now: evicting frees all of them, nothing else
-    cached, evictable = len(kv.prefix), kv.prefix.num_evictable()
-    assert cached > 0 and evictable >= cached and kv.usage.bytes_cached > 0
-    assert kv.prefix.evict(10**9) == evictable
-    assert len(kv.prefix) == 0 and kv.prefix.num_evictable() == 0 and kv.usage.bytes_cached == 0
+    cached, evictable = len(kv.prefix.caching), kv.prefix.caching.num_evictable()
+    assert cached > 0 and evictable >= cached and kv.accounting.usage.bytes_cached > 0
+    assert kv.prefix.caching.evict(10**9) == evictable
+    assert len(kv.prefix.caching) == 0 and kv.prefix.caching.num_evictable() == 0
+    assert kv.accounting.usage.bytes_cached == 0
     if mode == "paged":
         assert kv.pool.num_in_use == 0
     else:  # only idle slots' deferred pages remain; reclaiming them leaves nothing
-        kv._reclaim(kv.pool.num_pages, exclude=-1)
+        kv._idle.reclaim(kv.pool.num_pages, exclude=-1)
         assert kv.pool.num_in_use == 0
-    kv.check()
+    kv.accounting.check()
 
 
 @pytest.mark.usefixtures("default_model")
@@ -256,5 +259,5 @@ def test_engine_prefills_only_the_suffix_and_matches_a_cold_run(kv_mode: str) ->
     assert second.num_cached_tokens >= prefix_len - unit
     assert second.num_cached_tokens < len(second.prompt_token_ids)
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == want
-    assert llm.engine.kv.usage.bytes_in_use == 0
-    llm.engine.kv.check()
+    assert llm.engine.kv.accounting.usage.bytes_in_use == 0
+    llm.engine.kv.accounting.check()

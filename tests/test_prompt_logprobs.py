@@ -70,8 +70,8 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_cache_hits(
                         use_tqdm=False)[0]
     assert_matches(both.prompt_logprobs, *reference[0])
     assert [len(o.token_ids) for o in both.outputs] == [4, 4]
-    llm.engine.kv.check()
-    assert llm.engine.kv.usage.bytes_in_use == 0
+    llm.engine.kv.accounting.check()
+    assert llm.engine.kv.accounting.usage.bytes_in_use == 0
 
 
 def test_prompt_logprobs_survive_recompute_preemption(reference: list) -> None:
@@ -83,7 +83,7 @@ def test_prompt_logprobs_survive_recompute_preemption(reference: list) -> None:
     assert tight.engine.scheduler.stats.num_preemptions > 0
     for i, out in enumerate(outs):
         assert_matches(out.prompt_logprobs, *reference[i % len(reference)])
-    tight.engine.kv.check()
+    tight.engine.kv.accounting.check()
 
 
 def test_max_tokens_zero_is_only_for_scoring() -> None:

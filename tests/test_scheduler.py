@@ -91,10 +91,10 @@ def run_all(kv_mode: str, kv_bytes: int, preemption: str, prompts: list[list[int
                 seq.token_ids.append(next_token(seq.token_ids))
                 if seq.num_output_tokens == max_tokens:
                     sched.remove(seq)
-        kv.check()
+        kv.accounting.check()
         steps += 1
         assert steps < 10_000
-    assert kv.usage.num_requests == 0 and kv.usage.bytes_in_use == 0
+    assert kv.accounting.usage.num_requests == 0 and kv.accounting.usage.bytes_in_use == 0
     return {s.seq_id: s.output_token_ids for s in seqs}, sched.stats
 
 
@@ -150,7 +150,7 @@ def test_a_prompt_that_can_never_fit_finishes_instead_of_looping() -> None:
     sched.add(seq)
     out = sched.schedule()
     assert out.out_of_capacity == [seq] and seq.finish_reason == "length"
-    assert not sched.has_work() and kv.usage.num_requests == 0
+    assert not sched.has_work() and kv.accounting.usage.num_requests == 0
 
 
 def test_bad_scheduler_settings_name_the_value() -> None:

@@ -215,7 +215,7 @@ def test_refused_pages_fail_their_requests_cleanly_and_spare_the_others(tight: R
         else:
             assert text_of(bodies()[i], events) == clean[i], f"request {i} changed"
     assert failed == fired["map"] + fired["create"] >= 1
-    on_engine(tight, lambda e: e.kv.check())  # the page accounting is exact
+    on_engine(tight, lambda e: e.kv.accounting.check())  # the page accounting is exact
     assert wait_idle(tight.url)["vmkv:kv_physical_bytes_in_use"] == 0
 
 
@@ -252,8 +252,8 @@ def test_a_failing_model_step_ends_every_request_with_an_error() -> None:
         engine._thread.join(10)
         for request_id in list(llm.requests):  # the dead engine's requests free everything
             llm.abort_request(request_id)
-        llm.kv.check()
-        assert llm.kv.usage.bytes_in_use == 0
+        llm.kv.accounting.check()
+        assert llm.kv.accounting.usage.bytes_in_use == 0
     finally:
         srv.stop()
         llm.close()
@@ -307,7 +307,7 @@ def test_soak_with_disconnects_and_preemption_leaks_nothing(soak: Running) -> No
                 assert events[-1] == "[DONE]"
     assert m["vmkv:num_preemptions_total"] > 0  # the memory was tight enough to preempt
     assert m["vmkv:kv_physical_bytes_in_use"] == 0 and m["vmkv:kv_cache_usage_perc"] == 0
-    on_engine(soak, lambda e: e.kv.check())
+    on_engine(soak, lambda e: e.kv.accounting.check())
     assert on_engine(soak, lambda e: (len(e.requests), e.scheduler.has_work())) == (0, False)
     assert threading.active_count() == threads  # no thread, no process left behind
     assert len(psutil.Process().children(recursive=True)) == children

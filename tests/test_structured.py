@@ -78,7 +78,7 @@ def test_bad_constraints_are_value_errors_and_queue_nothing(llm: LLM) -> None:
         with pytest.raises(ValueError, match=f"invalid structured_outputs.{so.kind}"):
             llm.generate("hi", SamplingParams(structured_outputs=so), use_tqdm=False)
     assert not llm.engine.requests and not llm.engine.scheduler.has_work()
-    llm.engine.kv.check()
+    llm.engine.kv.accounting.check()
 
 
 def test_grammars_are_compiled_once_per_params(llm: LLM) -> None:
@@ -136,8 +136,8 @@ def test_a_finished_grammar_ends_the_sequence_even_with_ignore_eos(llm: LLM) -> 
     out = llm.generate(chat(llm, "Yes or no?"), params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert len(out.token_ids) < 10  # the grammar, not min_tokens, decides when to end
-    llm.engine.kv.check()
-    assert llm.engine.kv.usage.bytes_in_use == 0
+    llm.engine.kv.accounting.check()
+    assert llm.engine.kv.accounting.usage.bytes_in_use == 0
 
 
 def test_stop_strings_and_aborts_end_constrained_sequences(llm: LLM) -> None:
@@ -159,5 +159,5 @@ def test_stop_strings_and_aborts_end_constrained_sequences(llm: LLM) -> None:
     assert len(states) == 2 and states[0].matcher is not states[1].matcher
     assert engine.abort_request("abort-me").finished
     assert not engine.has_unfinished_requests()
-    engine.kv.check()
-    assert engine.kv.usage.bytes_in_use == 0
+    engine.kv.accounting.check()
+    assert engine.kv.accounting.usage.bytes_in_use == 0

@@ -57,8 +57,8 @@ def test_50_requests_over_10_schemas_all_validate(tight: Running) -> None:
     assert after["vmkv:kv_physical_bytes_in_use"] == 0
 
     def check(engine: LLMEngine) -> None:
-        engine.kv.check()
-        assert engine.kv.usage.bytes_in_use == 0 and not engine.requests
+        engine.kv.accounting.check()
+        assert engine.kv.accounting.usage.bytes_in_use == 0 and not engine.requests
 
     asyncio.run(tight.engine.call(check))  # on the engine thread, between steps
 

@@ -120,8 +120,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     with pytest.raises(ValueError, match="no room for output"):
         run(llm, long, truncate_prompt_tokens=-1)
     assert len(run(llm, long, truncate_prompt_tokens=200).prompt_token_ids) == 200
-    llm.engine.kv.check()
-    assert llm.engine.kv.usage.bytes_in_use == 0
+    llm.engine.kv.accounting.check()
+    assert llm.engine.kv.accounting.usage.bytes_in_use == 0
 
 
 def test_token_ids_past_the_vocabulary_and_logprobs_past_the_cap_are_refused(llm: LLM) -> None:

@@ -92,7 +92,7 @@ def long_context(shapes: Shapes, kernel: str) -> float:
     worst = 0.0
     for step in ({r: 1 for r in shapes.lens}, shapes.chunk):
         rids = list(step)
-        ctx = [kv.num_tokens(r) for r in rids]
+        ctx = [kv.room.num_tokens(r) for r in rids]
         for rid, n in step.items():
             assert kv.allocate(rid, n)
         meta = attn.prepare(rids, ctx, [step[r] for r in rids])

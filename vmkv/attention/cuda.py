@@ -134,7 +134,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in self._views]
         outer, inner = self._views[0][0].shape[:2]
         #: upper bound of any sequence's length (a graph's static ``max_seq_len``)
-        self.max_seq_len_bound = kv.max_model_len if self.paged else inner
+        self.max_seq_len_bound = kv.room.max_model_len if self.paged else inner
         self._fa = flash_attn if flash_attn is not None else flash_attn_module()
         aten = varlen_fn is not None or (
             self.device.type == "cuda" and ATEN_REQUIRED_KWARGS.issubset(aten_flash_kwargs()))

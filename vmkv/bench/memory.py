@@ -53,7 +53,7 @@ def virtual_fraction(lengths: list[int], spec: KVSpec, page_size: int, layout: s
             "bytes_in_use": usage.bytes_in_use,
             "useful_fraction": usage.useful_fraction,
             "tokens_per_page": page_size / geometry.row_bytes,
-            "maps": kv.memory_stats()["map"]["calls"],
+            "maps": kv.accounting.memory_stats()["map"]["calls"],
         }
     finally:
         kv.close()
@@ -63,7 +63,7 @@ def _fill(kv: KVCacheManager, lengths: list[int]) -> KVUsage:
     for i, n in enumerate(lengths):
         if not kv.allocate(f"r{i}", n):
             raise AssertionError("the pool was sized to fit exactly")
-    return kv.usage
+    return kv.accounting.usage
 
 
 def run(lengths: list[int], *, max_len: int = 2048, block_size: int = 16,

@@ -88,7 +88,7 @@ def _op_totals(engine: LLMEngine) -> dict[str, dict[str, int]]:
     """The KV manager's mapping counters (empty in paged mode, which maps nothing)."""
     return {op: {"calls": int(s["calls"]), "pages": int(s["pages"]),
                  "total_ns": round(s["total_ms"] * 1e6)}
-            for op, s in engine.kv.memory_stats().items() if op in MAP_OPS}
+            for op, s in engine.kv.accounting.memory_stats().items() if op in MAP_OPS}
 
 
 @dataclass
@@ -100,7 +100,7 @@ class _Trace:
     running: list[int] = field(default_factory=list)
 
     def sample(self, engine: LLMEngine, t: float) -> None:
-        usage = engine.kv.usage
+        usage = engine.kv.accounting.usage
         self.t.append(t)
         self.bytes_in_use.append(usage.bytes_in_use)
         self.bytes_held.append(usage.bytes_held)

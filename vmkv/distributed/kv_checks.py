@@ -27,9 +27,9 @@ def kv_digest(kv: KVCacheManager) -> str:
     """A hash of what the kernels read and where it lives: every request's token count, rows
     (slot ids or block table) and physical units (pages or blocks). Not the usage: the OS's
     counts of a rank's memory, huge pages for one, may differ where the decisions do not."""
-    ids = sorted(kv.request_ids())
-    h = hashlib.sha256(repr((ids, [kv.num_tokens(r) for r in ids],
-                             [kv.units_of(r) for r in ids])).encode())
+    ids = sorted(kv.room.request_ids())
+    h = hashlib.sha256(repr((ids, [kv.room.num_tokens(r) for r in ids],
+                             [kv.room.units_of(r) for r in ids])).encode())
     if ids:
         addressing = kv.addressing(ids, [0] * len(ids))
         for f in fields(addressing):
@@ -47,6 +47,6 @@ def agree_vma_budget(kv: KVCacheManager, timeout: float | None = None,
     """Every rank's manager takes the smallest VMA budget of all ranks (a per-process quantity:
     rank 0 must not choose a mapping another rank's budget refuses). A collective on the
     control group: also the ranks' "ready" barrier."""
-    budget = agree_min(kv.vma_budget or NO_BUDGET, timeout, alive)
+    budget = agree_min(kv.accounting.vma_budget or NO_BUDGET, timeout, alive)
     if budget < NO_BUDGET:
-        kv.limit_vma_budget(budget)
+        kv.accounting.limit_vma_budget(budget)

@@ -108,7 +108,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if self.kv.has_request(seq.seq_id):
+        if self.kv.room.holds(seq.seq_id):
             self.kv.free(seq.seq_id)
         seq.swapped = None
         seq.status = SeqStatus.FINISHED
@@ -174,7 +174,7 @@ class Scheduler:
             return None
         if seq.swapped is not None:
             # swap in only when the next chunk fits too (no swap-in/out thrashing)
-            if not self.kv.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
+            if not self.kv.room.can_allocate(seq.seq_id, seq.swapped.num_tokens + n):
                 self._finish_if_hopeless(seq, out)
                 return None
             self._swap_in(seq)
@@ -194,20 +194,20 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """Record that the step ran: scheduled tokens are now computed (and their completed
         units published to the prefix cache)."""
-        caching = self.kv.prefix_caching
+        caching = self.kv.prefix.enabled
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
             if caching:
-                self.kv.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                self.kv.prefix.publish(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                        seq.request.cache_salt)
 
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:
         """Cached tokens for a sequence about to be admitted fresh (0 if none)."""
-        if (seq.num_computed_tokens or seq.swapped is not None or not self.kv.prefix_caching
+        if (seq.num_computed_tokens or seq.swapped is not None or not self.kv.prefix.enabled
                 or seq.request.params.prompt_logprobs is not None):  # (recompute to score it)
             return 0
-        hit = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        hit = self.kv.prefix.match(seq.seq_id, seq.token_ids, seq.request.cache_salt)
         seq.num_computed_tokens = hit
         if seq.request.first_scheduled_time is None:  # first admission: what the user sees
             seq.request.num_cached_tokens = hit
@@ -226,11 +226,11 @@ class Scheduler:
         if not self.running:
             return True
         total = seq.num_new_tokens + (seq.swapped.num_tokens if seq.swapped else 0)
-        need = self.kv.units_needed(seq.seq_id, total)
+        need = self.kv.room.units_needed(seq.seq_id, total)
         if need is None:
             return False
-        reserve = sum(self.kv.units_needed(r.seq_id, 1) or 0 for r in self.running)
-        return need + reserve <= self.kv.free_units
+        reserve = sum(self.kv.room.units_needed(r.seq_id, 1) or 0 for r in self.running)
+        return need + reserve <= self.kv.room.free_units
 
     # -- preemption ---------------------------------------------------------------------------
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -256,8 +256,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.stats.num_preemptions += 1
         if self.preemption_mode == "swap":
-            self.stats.num_swapped_out_tokens += self.kv.num_tokens(seq.seq_id)
-            seq.swapped = self.kv.swap_out(seq.seq_id)
+            self.stats.num_swapped_out_tokens += self.kv.room.num_tokens(seq.seq_id)
+            seq.swapped = self.kv.swap.out(seq.seq_id)
         else:
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
             self.kv.free(seq.seq_id)
@@ -266,9 +266,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _swap_in(self, seq: Sequence) -> None:
-        if not self.kv.swap_in(seq.seq_id, seq.swapped):
+        if not self.kv.swap.back(seq.seq_id, seq.swapped):
             raise AssertionError("swap_in failed although can_allocate said it fits")
-        self.stats.num_swapped_in_tokens += self.kv.num_tokens(seq.seq_id)
+        self.stats.num_swapped_in_tokens += self.kv.room.num_tokens(seq.seq_id)
         seq.swapped = None
 
     def _finish_if_hopeless(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -278,7 +278,7 @@ class Scheduler:
             self._out_of_capacity(seq, out)
 
     def _out_of_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if self.kv.has_request(seq.seq_id):
+        if self.kv.room.holds(seq.seq_id):
             self.kv.free(seq.seq_id)
         seq.swapped = None
         seq.status = SeqStatus.FINISHED

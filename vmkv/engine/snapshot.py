@@ -40,18 +40,18 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
     """Read the engine's counters (call on the engine thread)."""
     kv = engine.kv
     stats = engine.scheduler.stats
-    prefix = kv.prefix_stats()
+    prefix = kv.prefix.stats()
     return Snapshot(
         running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting),
-        usage=kv.usage.as_dict(),
+        usage=kv.accounting.usage.as_dict(),
         prompt_tokens=engine.counters.prompt_tokens,
         generation_tokens=engine.counters.generation_tokens,
         finished=dict(engine.counters.finished),
         preemptions=stats.num_preemptions,
         recomputed_tokens=stats.num_recomputed_tokens,
         swapped_tokens=stats.num_swapped_out_tokens,
-        memory_ops=kv.memory_stats(),
+        memory_ops=kv.accounting.memory_stats(),
         prefix_queries=prefix.queries,
         prefix_hits=prefix.hits,
         prefix_enabled=prefix.enabled,

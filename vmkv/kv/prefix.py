@@ -14,6 +14,9 @@ The cache holds one reference on every unit it knows (block ids, or one page id 
 cached memory outlives the requests that computed it. A unit referenced only by the cache is
 *evictable*; eviction follows LRU order, and a finished request touches its units deepest-first
 so its deepest units are evicted first.
+
+The engine sees :class:`PrefixPart` (``kv.prefix``: on or off, match, publish, reset, stats);
+the manager's own parts drive :class:`PrefixCaching` (evict, forget, inherit).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 HASH_FUNCTIONS = ("sha256", "builtin")
@@ -290,3 +294,64 @@ class PrefixCaching:
     def holds(self) -> list[object]:
         """Every payload the cache references (one reference each)."""
         return list(self.cache.payloads())
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix caching's counters since start-up: prompt tokens looked up, and found."""
+
+    enabled: bool
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixPart:
+    """Prefix caching as the engine sees it (``kv.prefix``); off when ``caching`` is None.
+
+    ``after_reset`` runs after every :meth:`reset`, on or off (virtual mode trims its idle
+    pages: those only the cache held are idle now).
+    """
+
+    def __init__(self, caching: PrefixCaching | None,
+                 after_reset: Callable[[], None] | None = None) -> None:
+        #: the machinery, None when prefix caching is off
+        self.caching = caching
+        self._after_reset = after_reset
+
+    @property
+    def enabled(self) -> bool:
+        """Whether prefix caching is on (requests may start with cached tokens)."""
+        return self.caching is not None
+
+    def match(self, request_id: str, token_ids: Sequence[int],
+              cache_salt: str | None = None) -> int:
+        """Give a request that holds no KV yet the longest cached prefix of ``token_ids``;
+        returns the tokens it now has (0 when prefix caching is off)."""
+        if self.caching is None:
+            return 0
+        return self.caching.match(request_id, token_ids, cache_salt)
+
+    def publish(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                cache_salt: str | None = None) -> None:
+        """Publish the request's completely computed units to the cache (no-op if off)."""
+        if self.caching is not None:
+            self.caching.publish(request_id, token_ids, num_computed, cache_salt)
+
+    def reset(self) -> int:
+        """Forget every cached unit; returns how many (0 when prefix caching is off)."""
+        dropped = self.caching.reset() if self.caching is not None else 0
+        if self._after_reset is not None:
+            self._after_reset()
+        return dropped
+
+    def stats(self) -> PrefixCacheStats:
+        """Lookups and hits (in prompt tokens) since start-up."""
+        caching = self.caching
+        if caching is None:
+            return PrefixCacheStats(enabled=False)
+        return PrefixCacheStats(True, caching.queries, caching.hits)
+
+    def close(self) -> None:
+        """Prefix caching is off from now on (the manager released the cached memory)."""
+        self.caching = None
+        self._after_reset = None

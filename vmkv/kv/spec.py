@@ -10,6 +10,13 @@ Virtual layouts (``[slot, token, ...]``: one fixed slot of ``slot_tokens`` per r
 Either way a layer's K (or V) handed to attention is a strided ``[slot, token, kv_head,
 head_dim]`` view of the same memory, never a copy. ``slot_tokens`` is ``max_model_len`` rounded
 up so that a slot is a whole number of pages (tokens may straddle page boundaries inside it).
+
+Room left for what comes next (docs/memory.md, "Seams"): a :class:`KVSpec` carries its own KV
+``dtype`` (today the model's; a compressed KV would differ) and the bytes per token that follow
+from it, and it can describe *layer groups* (:class:`LayerGroup`: full-attention layers, and
+sliding-window layers that keep only their last tokens). Every model has one full-attention
+group today; the managers refuse more (:meth:`KVSpec.require_one_group`) until a manager of
+groups exists.
 """
 
 from __future__ import annotations
@@ -24,18 +31,50 @@ from vmkv.config import LAYOUTS
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose KV is kept alike: every token of a request (``sliding_window`` None: full
+    attention), or only its last ``sliding_window`` tokens."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
 class KVSpec:
-    """Per-token KV shape of a model: ``num_layers`` x (K, V) x ``num_kv_heads`` x ``head_dim``."""
+    """Per-token KV shape of a model: ``num_layers`` x (K, V) x ``num_kv_heads`` x ``head_dim``
+    of ``dtype``, the KV cache's own dtype (today always the model's), in ``layer_groups``
+    (empty: one full-attention group of every layer, what every model has today)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    layer_groups: tuple[LayerGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        layers = sorted(i for group in self.layer_groups for i in group.layers)
+        if self.layer_groups and layers != list(range(self.num_layers)):
+            raise ValueError(f"layer_groups must hold each of the {self.num_layers} layers "
+                             f"once, got {self.layer_groups}")
+        for group in self.layer_groups:
+            if group.sliding_window is not None and group.sliding_window <= 0:
+                raise ValueError(f"a sliding window must be positive, got {group}")
+
+    @cached_property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups, never empty."""
+        return self.layer_groups or (LayerGroup(tuple(range(self.num_layers))),)
+
+    def require_one_group(self) -> None:
+        """Raise ValueError unless every layer is in one full-attention group (what the KV
+        managers support today)."""
+        groups = self.groups
+        if len(groups) > 1 or groups[0].sliding_window is not None:
+            raise ValueError(f"KV layer groups {groups} (sliding-window layers) are not "
+                             "supported yet: every layer must keep full attention")
 
     @cached_property
     def itemsize(self) -> int:
@@ -43,7 +82,7 @@ class KVSpec:
 
     @cached_property
     def head_bytes(self) -> int:
-        """Bytes of one layer's K (or V) for one token."""
+        """Bytes of one layer's K (or V) for one token, in the KV dtype."""
         return self.num_kv_heads * self.head_dim * self.itemsize
 
     @cached_property

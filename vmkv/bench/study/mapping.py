@@ -61,17 +61,17 @@ def replay(layout: str, page: int, *, batch: int, steps: int, compute_ms: float,
     kv = create_kv_cache(config, spec, num_slots=batch, max_model_len=length)
     work = compute(compute_ms)
     mapper = BackgroundMapper(kv.backend) if mapper_on else None  # type: ignore[attr-defined]
-    kv.attach_mapper(mapper)  # type: ignore[attr-defined]
+    kv.mapping.attach(mapper)
     ids = [f"r{i}" for i in range(batch)]
     stall_us, compute_us = [], []
     try:
         for rid in ids:
             if not kv.allocate(rid, PROMPT_TOKENS):
                 raise RuntimeError("the replay's KV budget is too small")
-        before = kv.memory_stats()["map"]["calls"]
+        before = kv.accounting.memory_stats()["map"]["calls"]
         for _ in range(steps):
             if mapper is not None:
-                mapper.submit(kv.premap_ahead(PREMAP_LOOKAHEAD_TOKENS))  # type: ignore[attr-defined]
+                mapper.submit(kv.mapping.units(PREMAP_LOOKAHEAD_TOKENS))
             t0 = time.perf_counter()
             work()
             t1 = time.perf_counter()
@@ -83,7 +83,7 @@ def replay(layout: str, page: int, *, batch: int, steps: int, compute_ms: float,
             t2 = time.perf_counter()
             compute_us.append((t1 - t0) * 1e6)
             stall_us.append((t2 - t1) * 1e6)
-        maps = kv.memory_stats()["map"]["calls"] - before
+        maps = kv.accounting.memory_stats()["map"]["calls"] - before
         busy = mapper.stats.as_dict()["busy_ms"] if mapper is not None else 0.0
     finally:
         if mapper is not None:

@@ -27,7 +27,7 @@ from vmkv.config import HOST_PAGE_SIZE, default_layout
 NAME, TITLE = "tax", "The virtual tax"
 MAPPER_ON_CPU = ("CPU engines run no background mapper: the host has nothing that computes "
                  "while the engine thread maps (the step runs on the same cores), so "
-                 "KVCacheManager.start_background_mapper() returns None there; part 4 measures "
+                 "the KV manager's mapping.start() returns None there; part 4 measures "
                  "what a mapper thread hides on this machine, on a replayed decode.")
 
 

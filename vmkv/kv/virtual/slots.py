@@ -5,7 +5,8 @@
     holder:  -          | a | - | ... | c          idle slots keep their pages (deferred)
 
 Slot 0 is the anchor slot (see :mod:`vmkv.kv.virtual`): never idle, never held. Pure
-bookkeeping: the virtual KV cache maps and unmaps, then records it here.
+bookkeeping: the virtual state's commit (:mod:`vmkv.kv.virtual.state`) maps and unmaps, then
+records it here.
 """
 
 from __future__ import annotations

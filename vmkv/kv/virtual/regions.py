@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from vmkv.kv.changes import CopyPage, KVChange, MapPages, UnmapPages
 from vmkv.kv.spec import VirtualLayout
 from vmkv.memory.base import rolled_back
 from vmkv.memory.errors import MappingBudgetExceeded, VmmError
@@ -32,11 +31,9 @@ from vmkv.memory.region import UNMAPPED, VirtualRegion, count_vmas_rows
 class RegionGroup:
     """``layout.num_regions`` regions of ``num_va_slots`` slots each over one pool."""
 
-    def __init__(self, pool: PagePool, layout: VirtualLayout, num_va_slots: int,
-                 record: Callable[[KVChange], None] | None = None) -> None:
+    def __init__(self, pool: PagePool, layout: VirtualLayout, num_va_slots: int) -> None:
         self.pool = pool
         self.layout = layout
-        self.record = record  # every mapping change made, as data (vmkv/kv/changes.py)
         # a pool split into one partition per region keeps each region's pages physically
         # adjacent (long runs, few VMAs)
         per_region = pool.partitions == layout.num_regions
@@ -81,8 +78,6 @@ class RegionGroup:
         mapped = self._map_mirrored(va_page, num) if pages is None else None
         if mapped is None:
             mapped = self._lockstep(va_page, num, map_one)
-        if mapped:
-            self._log(MapPages(va_page, tuple(map(tuple, self.pages(va_page, num))), fresh=True))
         return mapped
 
     def _map_mirrored(self, va_page: int, num: int) -> bool | None:
@@ -160,14 +155,7 @@ class RegionGroup:
             region.map_shared(va_page, pages[r])
             return True
 
-        if not self._lockstep(va_page, num, share):
-            return False
-        self._log(MapPages(va_page, tuple(tuple(p) for p in pages), fresh=False))
-        return True
-
-    def _log(self, change: KVChange) -> None:
-        if self.record is not None:
-            self.record(change)
+        return self._lockstep(va_page, num, share)
 
     def _lockstep(self, va_page: int, num: int,
                   map_one: Callable[[int, VirtualRegion], bool]) -> bool:
@@ -193,11 +181,12 @@ class RegionGroup:
         """Unmap ``num`` pages at ``va_page`` everywhere (the caller synchronized)."""
         for region in self.regions:
             region.unmap(va_page, num)
-        self._log(UnmapPages(va_page, num))
 
-    def copy_on_write(self, va_page: int, pages: Sequence[int] | None = None) -> None:
+    def copy_on_write(self, va_page: int, pages: Sequence[int] | None = None
+                      ) -> tuple[int, ...]:
         """Give ``va_page`` a private copy of its (shared) page in every region; the pool must
-        have a free page per region (exactly ``pages[r]`` in region ``r`` if given).
+        have a free page per region (exactly ``pages[r]`` in region ``r`` if given). Returns
+        the fresh pages.
 
         All regions or none: if the OS/driver refuses a page or a mapping (``VmmError``,
         ``MappingBudgetExceeded``), every region keeps its shared page and the error is raised
@@ -234,7 +223,7 @@ class RegionGroup:
             for page in fresh[len(done):]:
                 self.pool.release(page)
             raise
-        self._log(CopyPage(va_page, tuple(fresh)))
+        return tuple(fresh)
 
     # -- reading ----------------------------------------------------------------------------------
     def pages_at(self, va_page: int) -> tuple[int, ...]:

@@ -1,0 +1,162 @@
+"""The paged KV cache: its allocator, and the manager that composes the parts (the package
+docstring, :mod:`vmkv.kv.paged`, draws them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vmkv.kv.addressing import BlockAddressing
+from vmkv.kv.base import KVCacheManager
+from vmkv.kv.changes import CopyBlock, Forget, SetTable, Tokens
+from vmkv.kv.mapping import KVMapping
+from vmkv.kv.paged.accounting import BlockAccounting
+from vmkv.kv.paged.blocks import BlockPool
+from vmkv.kv.paged.room import BlockRoom
+from vmkv.kv.paged.state import BlockUnits, PagedState
+from vmkv.kv.prefix import PrefixCaching, PrefixPart
+from vmkv.kv.spec import KVSpec
+from vmkv.kv.swap import KVSwap
+
+
+class BlockAllocator:
+    """allocate / free / fork of a paged cache: rank 0 chooses blocks from its pool and
+    commits the tables they make."""
+
+    def __init__(self, state: PagedState, pool: BlockPool, room: BlockRoom,
+                 caching: PrefixCaching | None) -> None:
+        self._state = state
+        self._pool = pool
+        self._room = room
+        self._caching = caching
+
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        """See :meth:`KVCacheManager.allocate`; a shared partial last block is copied first."""
+        state, pool = self._state, self._pool
+        new_blocks, cow = self._room.plan(request_id, num_new_tokens)
+        if new_blocks + cow > pool.num_free and self._caching is not None:
+            self._caching.evict(new_blocks + cow - pool.num_free)
+        got = pool.allocate(new_blocks + cow)
+        if got is None:
+            return False
+        table = state.block_tables.get(request_id)
+        if cow:  # the writer gets the copy, the other holders keep the original
+            old = table[-1]
+            state.commit(CopyBlock(old, got[0]))
+            pool.release(old)
+        if got or table is None:
+            start = (len(table) if table is not None else 0) - cow  # the first entry changed
+            state.commit(SetTable(request_id, start, tuple(got)))
+        state.commit(Tokens(request_id, state.tokens.get(request_id, 0) + num_new_tokens))
+        return True
+
+    def free(self, request_id: str) -> None:
+        """See :meth:`KVCacheManager.free`."""
+        table = self._state.block_tables[request_id]
+        self._state.commit(Forget(request_id))
+        for block in reversed(table):  # all or nothing; tail blocks reach the queue first
+            self._pool.release(block)
+        if self._caching is not None:
+            self._caching.forget(request_id)
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """See :meth:`KVCacheManager.fork`: the child shares every block of the parent."""
+        state = self._state
+        if child_id in state.block_tables:
+            raise ValueError(f"fork target {child_id!r} already holds KV")
+        table = state.block_tables[parent_id]
+        for block in table:
+            self._pool.retain(block)
+        state.commit(SetTable(child_id, 0, tuple(table)))
+        state.commit(Tokens(child_id, state.tokens[parent_id]))
+        if self._caching is not None:
+            self._caching.inherit(parent_id, child_id)
+        return True
+
+
+class PagedKVCache(KVCacheManager):
+    """Block-table KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    kv_mode = "paged"
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int,
+        device: str | torch.device = "cpu",
+        enable_prefix_caching: bool = False,
+        prefix_cache_hash: str = "sha256",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        spec.require_one_group()
+        self.spec = spec
+        self.device = torch.device(device)
+        pool = BlockPool(num_blocks)
+        state = PagedState(spec, num_blocks, block_size, self.device)
+        caching = (PrefixCaching(BlockUnits(state, pool), prefix_cache_hash)
+                   if enable_prefix_caching else None)
+        self._room = BlockRoom(state, pool, caching, max_model_len)
+        self._allocator = BlockAllocator(state, pool, self._room, caching)
+        self._changes, self._caching = state, caching
+        self._swap = KVSwap(state, self._allocator)
+        self._prefix = PrefixPart(caching)
+        self._mapping = KVMapping()
+        self._accounting = BlockAccounting(state, pool, caching)
+        # the geometry, for tests and benchmarks (not the contract)
+        self.pool, self.block_size = pool, block_size
+        self.block_tables, self.tables = state.block_tables, state.tables
+        self.max_blocks = -(-max_model_len // block_size)
+
+    # -- the contract ---------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        return self._allocator.allocate(request_id, num_new_tokens)
+
+    def free(self, request_id: str) -> None:
+        self._allocator.free(request_id)
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        return self._allocator.fork(parent_id, child_id)
+
+    def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
+                   full_width: bool = False) -> BlockAddressing:
+        """The step's block table ``[B, W]`` (``W`` = the longest table, or ``max_blocks``),
+        refreshed from the block holding each request's first new token on."""
+        bs = self.block_size
+        tables = [self.tables.get(rid, c // bs) for rid, c in zip(request_ids, context_lens,
+                                                                  strict=True)]
+        width = self.max_blocks if full_width else max((len(t) for t in tables), default=1)
+        block_table = np.zeros((len(tables), max(width, 1)), dtype=np.int32)  # [B, W]
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        return BlockAddressing(block_table, bs)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_blocks, block_size, kv_head, head_dim]`` K and V of ``layer``."""
+        kv = self._changes.kv
+        return kv[layer, 0], kv[layer, 1]
+
+    def close(self) -> None:
+        """Release the cache tensor and the prefix cache (the rest goes when its holders let
+        go)."""
+        self._changes.close()
+        if self._caching is not None:
+            self._caching.reset()
+        self._prefix.close()
+
+    # -- paged mode only ------------------------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        """``request_id``'s block ids (KeyError if it holds none)."""
+        return self.block_tables[request_id]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """``[layer, k|v, num_blocks, block_size, kv_head, head_dim]``: every block."""
+        return self._changes.kv

@@ -1,0 +1,60 @@
+"""Room per request in virtual mode: a slot's mapped pages, and what a growth would take."""
+
+from __future__ import annotations
+
+from vmkv.kv.room import KVRoom
+from vmkv.kv.virtual.idle import IdlePages
+from vmkv.kv.virtual.state import VirtualState
+
+
+class SlotRoom(KVRoom):
+    """Planning and admission questions of one virtual cache (no side effects)."""
+
+    def __init__(self, state: VirtualState, idle: IdlePages, max_model_len: int) -> None:
+        super().__init__(state.tokens, max_model_len)
+        self._state = state
+        self._idle = idle
+
+    def units_of(self, request_id: str) -> list[int]:
+        state = self._state
+        slot = state.slots.slot_of[request_id]
+        first = state.first_va_page(slot)
+        return state.regions[0].page_at[first : first + state.slots.mapped[slot]].tolist()
+
+    def plan(self, request_id: str, num_new_tokens: int) -> tuple[int | None, int, list[int]]:
+        """(slot, pages to grow per region, slot page indices to copy before writing); slot
+        None when no slot is idle for a new request. ValueError past ``max_model_len``."""
+        state, layout = self._state, self._state.layout
+        cur = self.num_tokens(request_id)
+        new_len = cur + num_new_tokens
+        self.check_length(request_id, new_len)
+        need = layout.pages_for(new_len)
+        slot = state.slots.slot_of.get(request_id)
+        if slot is None:  # an idle slot: its own pages up to the first one cached
+            slot = state.slots.best_fit(need)
+            if slot is None:
+                return None, 0, []
+            return slot, max(0, need - self._idle.first_cached(slot)), []
+        mapped = state.slots.mapped[slot]
+        cow = []
+        if num_new_tokens:
+            first, page_at = state.first_va_page(slot), state.regions[0].page_at
+            for p in range(layout.first_page_of(cur), min(need, mapped)):
+                if state.pool.is_shared(int(page_at[first + p])):  # a fork's, or cached
+                    cow.append(p)
+        return slot, max(0, need - mapped), cow
+
+    def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
+        slot, grow, cow = self.plan(request_id, num_new_tokens)
+        return None if slot is None else (grow + len(cow)) * len(self._state.regions)
+
+    @property
+    def free_units(self) -> int:
+        return self._state.pool.num_free + self._idle.reclaimable(exclude=-1)
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        slot, grow, cow = self.plan(request_id, num_new_tokens)
+        if slot is None:
+            return False
+        need = (grow + len(cow)) * len(self._state.regions)
+        return need <= self._state.pool.num_free + self._idle.reclaimable(slot)
