@@ -55,9 +55,10 @@ class EngineFront:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFront:
-        """The front of an engine of this process (sharing its tokenizer and grammar cache)."""
+        """The front of an engine of this process (sharing its tokenizer and the grammar cache
+        of its input processor, so a grammar the server checks early is compiled once)."""
         return cls(engine.config, engine.tokenizer, engine.max_model_len,
-                   engine.model_config.vocab_size, engine.grammars)
+                   engine.model_config.vocab_size, engine.processor.grammars)
 
     @classmethod
     def load(cls, config: EngineConfig) -> EngineFront:

@@ -126,17 +126,19 @@ class LLMEngine:
     def startup_report(self) -> list[str]:
         """What vLLM users read at start-up: capacity, concurrency, the KV geometry, which CPU
         kernels run (on the CPU) and how the decoder layers run."""
-        kv, cap = self.kv, self.kv.accounting.capacity_tokens
+        kv, accounting = self.kv, self.kv.accounting
+        cap = accounting.capacity_tokens
         return [
             f"model {self.executor.model_name} ({self.model_config.architecture}, "
             f"{self.executor.dtype}: {self.config.dtype_choice[1]}) on {self.config.device}, "
             f"loaded in "
             f"{self.startup_seconds:.1f} s",
-            f"KV cache: {kv.kv_mode} mode, {kv.accounting.usage.capacity_bytes / 2**20:,.0f} MiB physical "
+            f"KV cache: {kv.kv_mode} mode, {accounting.usage.capacity_bytes / 2**20:,.0f} MiB "
+            f"physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix.enabled else 'off'}",
-            kv.accounting.describe(),
+            accounting.describe(),
             *([cpu_kernels.report_line()] if self.config.device == "cpu" else []),
             *self.executor.describe(),
         ]
