@@ -19,7 +19,9 @@ became (:class:`MapPages`, a :class:`CopyPage` with its pages), so the log holds
 applied and a follower never chooses. Because every mutation of the shared state is a commit,
 a new mutation cannot be left out of what the other ranks apply (tests/test_kv_changes.py).
 
-Every change is a small frozen dataclass that pickles: the list travels with the step.
+Every change is a small dataclass that pickles (the list travels with the step) and is never
+changed once made; not frozen, because a frozen dataclass costs twice as much to make and
+rank 0 makes a :class:`Tokens` per request per step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from vmkv.memory.errors import MappingBudgetExceeded
 # -- both modes -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tokens:
     """``request_id`` now has room for ``num_tokens`` tokens."""
 
@@ -42,14 +44,14 @@ class Tokens:
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forget:
     """``request_id`` holds nothing any more (freed, swapped out, preempted)."""
 
     request_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SwapOut:
     """Copy ``request_id``'s KV at ``where`` to host memory (before it is freed).
 
@@ -59,7 +61,7 @@ class SwapOut:
     where: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SwapIn:
     """Copy ``request_id``'s saved KV back to ``where`` (after its memory was mapped)."""
 
@@ -67,7 +69,7 @@ class SwapIn:
     where: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DropSwapped:
     """Forget the saved KV of these requests (rank 0 dropped theirs: aborted while out)."""
 
@@ -77,7 +79,7 @@ class DropSwapped:
 # -- virtual mode ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Place:
     """``request_id`` holds virtual slot ``slot``."""
 
@@ -85,7 +87,7 @@ class Place:
     slot: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MapFresh:
     """Map ``num`` free pool pages (the applier's choice) at ``va_page`` of every region;
     logged as the :class:`MapPages` it became. Rank 0's decision only: never in a log."""
@@ -94,7 +96,7 @@ class MapFresh:
     num: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MapPages:
     """Map ``pages[r]`` at ``va_page`` of region ``r``: pages taken from the pool now
     (``fresh``) or already in use (a fork's or the prefix cache's: shared)."""
@@ -104,7 +106,7 @@ class MapPages:
     fresh: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UnmapPages:
     """Unmap ``num`` pages at ``va_page`` in every region."""
 
@@ -112,7 +114,7 @@ class UnmapPages:
     num: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CopyPage:
     """Copy-on-write: ``va_page`` gets ``pages[r]`` (fresh) in region ``r``, with its data
     (``None``: free pool pages of the applier's choice, logged with the pages it took)."""
@@ -121,7 +123,7 @@ class CopyPage:
     pages: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HoldPages:
     """The prefix cache takes (``hold``) or drops a reference on these pages."""
 
@@ -129,7 +131,7 @@ class HoldPages:
     hold: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TrimPool:
     """Return idle pool pages to the OS/driver beyond ``keep`` (None: the pool's default)."""
 
@@ -139,7 +141,7 @@ class TrimPool:
 # -- paged mode -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SetTable:
     """``request_id``'s block table from index ``start`` on is ``blocks``."""
 
@@ -148,7 +150,7 @@ class SetTable:
     blocks: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CopyBlock:
     """Copy-on-write: block ``dst`` gets a copy of block ``src`` (every layer)."""
 

@@ -25,8 +25,9 @@ class BlockRoom(KVRoom):
         """(new blocks needed, whether the last block must be copied first); ValueError past
         ``max_model_len``."""
         bs = self._state.block_size
-        cur = self.num_tokens(request_id)
-        self.check_length(request_id, cur + num_new_tokens)
+        cur = self._tokens.get(request_id, 0)
+        if cur + num_new_tokens > self.max_model_len:
+            self.check_length(request_id, cur + num_new_tokens)
         table = self._state.block_tables.get(request_id, [])
         new_blocks = -(-(cur + num_new_tokens) // bs) - len(table)
         cow = num_new_tokens > 0 and cur % bs != 0 and self._pool.ref_cnt[table[-1]] > 1

@@ -54,8 +54,8 @@ class PagedState(ChangeLog):
 
     def _apply_one(self, change: KVChange) -> KVChange | None:
         match change:
-            case Tokens(request_id, num_tokens):
-                self.tokens[request_id] = num_tokens
+            case Tokens():  # every request, every step: first, and no field captures
+                self.tokens[change.request_id] = change.num_tokens
             case SetTable(request_id, start, blocks):
                 table = self.block_tables.setdefault(request_id, [])
                 del table[start:]

@@ -25,9 +25,10 @@ class SlotRoom(KVRoom):
         """(slot, pages to grow per region, slot page indices to copy before writing); slot
         None when no slot is idle for a new request. ValueError past ``max_model_len``."""
         state, layout = self._state, self._state.layout
-        cur = self.num_tokens(request_id)
+        cur = self._tokens.get(request_id, 0)
         new_len = cur + num_new_tokens
-        self.check_length(request_id, new_len)
+        if new_len > self.max_model_len:
+            self.check_length(request_id, new_len)
         need = layout.pages_for(new_len)
         slot = state.slots.slot_of.get(request_id)
         if slot is None:  # an idle slot: its own pages up to the first one cached

@@ -132,8 +132,8 @@ class VirtualState(ChangeLog):
     def _apply_one(self, change: KVChange) -> KVChange | None:
         regions, slots = self.regions, self.slots
         match change:
-            case Tokens(request_id, num_tokens):
-                self.tokens[request_id] = num_tokens
+            case Tokens():  # every request, every step: first, and no field captures
+                self.tokens[change.request_id] = change.num_tokens
             case MapFresh(va_page, num):
                 if not regions.map_new(va_page, num):
                     return None
