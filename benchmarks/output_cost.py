@@ -23,8 +23,7 @@ import torch
 
 from vmkv.config import CacheConfig, EngineConfig
 from vmkv.engine.llm_engine import LLMEngine
-from vmkv.executor.base import Executor
-from vmkv.executor.model_runner import StepOutput
+from vmkv.executor.base import Executor, StepOutput
 from vmkv.executor.plan import StepPlan
 from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model_config, load_tokenizer, resolve_model

@@ -68,8 +68,8 @@ def main() -> None:
         buckets[(seqs + 7) // 8 * 8].append(ms)
     summary = {
         "kv_mode": config.kv_mode, "dtype": str(engine.executor.dtype),
-        "precreate_pages": config.cache.precreate, "compiled": engine.executor.worker.compiled,
-        "fused_layers": engine.executor.worker.fused is not None, "seconds": seconds,
+        "precreate_pages": config.cache.precreate, "compiled": engine.executor.layers == "compiled",
+        "fused_layers": engine.executor.layers == "fused", "seconds": seconds,
         "output_tokens_per_s": out_tokens / seconds, "steps": len(steps),
         "prefill_steps": len(prefill), "prefill_s": sum(s[2] for s in prefill) / 1e3,
         "prefill_tokens": sum(s[1] for s in prefill),

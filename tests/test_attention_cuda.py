@@ -48,6 +48,7 @@ from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.kernel_choice import aten_flash_kwargs, requested_kernel, resolve_kernel
 from vmkv.attention.kv_store import store_index_copy
 from vmkv.attention.staging import StagingBuffer, layout
+from vmkv.config import EngineConfig
 
 CUDA = torch.cuda.is_available()
 
@@ -67,7 +68,7 @@ def _virtual_scenario(kernel: str, dtype_name: str) -> None:
     if kernel == "flash-attn":
         assert set(fa.calls) == {"slots"}
     assert backend.staging.num_copies == len(STEPS)  # one host->device copy per step
-    kv.check()
+    kv.accounting.check()
 
 
 # -- CPU tests ----------------------------------------------------------------------------------
@@ -118,9 +119,9 @@ def test_paged_backend_matches_reference_through_fork_and_copy_on_write(
     run_scenario(kv, backend, steps, tol=tol, seed=1, hist=hist)  # CoW: b and b2 diverge
     assert kv.block_table("b")[:3] == kv.block_table("b2")[:3]
     assert kv.block_table("b")[3] != kv.block_table("b2")[3]
-    for rid in kv.request_ids():  # the incremental numpy tables equal the manager's
+    for rid in kv.room.request_ids():  # the incremental numpy tables equal the manager's
         assert kv.tables.get(rid, 10**9).tolist() == kv.block_table(rid)
-    kv.check()
+    kv.accounting.check()
 
 
 @cpu_only  # plumbing
@@ -269,11 +270,15 @@ def test_kernel_choice(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Mon
         resolve_paged_kernel("flash-attn", bf16, 128, 16, flash_attn=True, triton=True)
     with pytest.raises(ValueError, match="no block table"):
         resolve_paged_kernel("aten-flash", bf16, 128, 256, flash_attn=False, triton=True)
+    # the environment's choice arrives through the engine's config, never read here
     monkeypatch.setenv("VMKV_ATTENTION_BACKEND", "triton")
-    assert requested_kernel(None) == "triton" and requested_kernel("sdpa") == "sdpa"
+    assert EngineConfig().attention_backend == "triton"
+    assert requested_kernel(None) == "auto" and requested_kernel("sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="attention kernel must be one of"):
+        requested_kernel("fa9")
     monkeypatch.setenv("VMKV_ATTENTION_BACKEND", "fa9")
-    with pytest.raises(ValueError, match="VMKV_ATTENTION_BACKEND"):
-        requested_kernel(None)
+    with pytest.raises(ValueError, match=r"got 'fa9' \(from \$VMKV_ATTENTION_BACKEND\)"):
+        EngineConfig()
 
 
 def test_aten_op_schema_has_the_keywords_we_pass() -> None:

@@ -193,7 +193,7 @@ def test_virtual_and_paged_give_the_same_bf16_tokens(default_model: Path) -> Non
     for mode in ("virtual", "paged"):
         with LLM(kv_mode=mode, dtype="bfloat16", max_num_batched_tokens=128) as llm:
             executor = llm.engine.executor
-            assert executor.dtype == BF16 and executor.worker.fused is not None
+            assert executor.dtype == BF16 and executor.layers == "fused"
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                       use_tqdm=False)]
     assert outs["virtual"] == outs["paged"]
@@ -212,14 +212,15 @@ def test_a_bf16_cache_holds_twice_the_tokens(kv_mode: str) -> None:
         caches[spec.dtype] = create_kv_cache(config, spec, num_slots=4, max_model_len=1024)
     try:
         # (virtual mode counts whole pages of the budget: one token of rounding either way)
-        assert abs(caches[BF16].capacity_tokens - 2 * caches[torch.float32].capacity_tokens) <= 1
+        capacity = {d: c.accounting.capacity_tokens for d, c in caches.items()}
+        assert abs(capacity[BF16] - 2 * capacity[torch.float32]) <= 1
         for cache in caches.values():
             assert cache.allocate("r", 100)
-        used32, used16 = (caches[d].usage.token_bytes for d in (torch.float32, BF16))
+        used32, used16 = (caches[d].accounting.usage.token_bytes for d in (torch.float32, BF16))
         assert used32 == 100 * spec32.bytes_per_token and used16 == used32 // 2
         for cache in caches.values():
             cache.free("r")
-            cache.check()
+            cache.accounting.check()
     finally:
         for cache in caches.values():
             cache.close()

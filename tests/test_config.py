@@ -12,9 +12,10 @@ import pytest
 
 from vmkv import envs
 from vmkv.cli import build_parser
-from vmkv.config import CacheConfig, EngineConfig, ServerConfig, field_option
+from vmkv.config import CacheConfig, EngineConfig, ServerConfig
 from vmkv.config_args import add_engine_args, engine_config, flag_name, server_config
 from vmkv.llm import LLM
+from vmkv.options import field_option
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "configuration.md").read_text()
@@ -58,7 +59,8 @@ def test_flags_are_the_fields_with_the_same_defaults() -> None:
     add_engine_args(parser)
     flags = {opt for action in parser._actions for opt in action.option_strings}
     for f in fields(EngineConfig):
-        assert (flag_name(f.name) in flags) == field_option(f).flag, f.name
+        if f.init:  # derived fields (dtype_choice) are no option
+            assert (flag_name(f.name) in flags) == field_option(f).flag, f.name
     assert engine_config(_parse()) == EngineConfig()
     assert server_config(_parse()) == ServerConfig()
 
@@ -100,10 +102,12 @@ def test_cache_config_is_a_view_of_the_engine_config() -> None:
 
 def test_envs_are_read_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("VMKV_CUDA_GRAPHS", raising=False)
-    assert envs.cuda_graphs()
+    assert EngineConfig().cuda_graphs
     for off in ("0", "false", "OFF", "no"):
         monkeypatch.setenv("VMKV_CUDA_GRAPHS", off)
-        assert not envs.cuda_graphs()
+        assert not EngineConfig().cuda_graphs
+        assert EngineConfig(cuda_graphs=True).cuda_graphs  # a value given wins
+    assert not _parse("--no-cuda-graphs").cuda_graphs and _parse("--cuda-graphs").cuda_graphs
     monkeypatch.setenv("VMKV_CACHE", str(tmp_path))
     assert envs.cache_dir() == tmp_path
     monkeypatch.setenv("VMKV_CACHE", "")  # empty counts as unset
@@ -122,3 +126,91 @@ def test_only_the_envs_module_and_the_process_tuning_touch_os_environ() -> None:
     readers = [path for folder in ("vmkv", "server") for path in (ROOT / folder).rglob("*.py")
                if re.search(r"os\.environ|getenv", path.read_text()) and path not in allowed]
     assert readers == []
+
+
+def test_auto_dtype_is_resolved_once_when_the_config_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dtype="auto"`` is resolved at construction (``$VMKV_AUTO_DTYPE``, else the device and
+    the CPU's bfloat16 hardware) and carried by the config: a later change of the environment
+    does not change a built config, and copies (``replace``, pickling to replicas and ranks)
+    keep or recompute it."""
+    import pickle
+    from dataclasses import replace
+
+    monkeypatch.setenv("VMKV_AUTO_DTYPE", "bfloat16")
+    config = EngineConfig()
+    assert config.dtype_choice == ("bfloat16", "auto: VMKV_AUTO_DTYPE=bfloat16")
+    monkeypatch.setenv("VMKV_AUTO_DTYPE", "float32")
+    assert config.torch_dtype_name == "bfloat16"  # not read again
+    assert pickle.loads(pickle.dumps(config)).dtype_choice == config.dtype_choice
+    assert replace(config, max_num_seqs=2).torch_dtype_name == "float32"  # a new config
+    assert EngineConfig(dtype="float16").dtype_choice == ("float16", "asked for")
+    monkeypatch.delenv("VMKV_AUTO_DTYPE")
+    assert EngineConfig(device="cuda").dtype_choice == ("bfloat16", "auto on CUDA")
+    monkeypatch.setenv("VMKV_AUTO_DTYPE", "float16")
+    with pytest.raises(ValueError, match="VMKV_AUTO_DTYPE must be float32 or bfloat16"):
+        EngineConfig()
+    assert EngineConfig(dtype="float32").torch_dtype_name == "float32"  # auto not asked for
+    with pytest.raises(TypeError, match="'dtype_choice'"):  # derived, not an option
+        LLM(dtype_choice=("float32", "mine"))
+
+
+def test_engine_switches_are_read_only_through_the_config() -> None:
+    """A variable that gives an EngineConfig field its default (``$VMKV_CUDA_GRAPHS``,
+    ``$VMKV_ATTENTION_BACKEND``, ...) is read by the config's resolution only: no other module
+    of vmkv/ or server/ names it or calls an ``envs`` accessor that reads it."""
+    import ast
+
+    switches = {opt.env.name for f in fields(EngineConfig)
+                if (opt := field_option(f)) is not None and opt.env is not None}
+    assert {"VMKV_CUDA_GRAPHS", "VMKV_ATTENTION_BACKEND", "VMKV_FUSED_LAYERS"} <= switches
+    envs_source = (ROOT / "vmkv" / "envs.py").read_text()
+    accessors = {node.name for node in ast.walk(ast.parse(envs_source))
+                 if isinstance(node, ast.FunctionDef)
+                 and any(name in ast.unparse(node) for name in switches)}
+    names = switches | {f"{a}(" for a in accessors}
+    allowed = {ROOT / "vmkv" / p for p in ("envs.py", "config.py", "options.py")}
+    readers = sorted(f"{path.relative_to(ROOT)}: {name}"
+                     for folder in ("vmkv", "server") for path in (ROOT / folder).rglob("*.py")
+                     if path not in allowed and not path.is_relative_to(ROOT / "vmkv" / "server")
+                     for name in names if f"envs.{name}" in path.read_text())
+    assert readers == []
+
+
+def test_the_ranks_get_the_values_they_need_not_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor hands every rank :class:`WorkerSettings` taken from the config once
+    (docs/ARCHITECTURE.md): the dtype resolved, ``enforce_eager`` folded into the compile and
+    graph switches, tensor-parallel ranks eager and mapping inline; the settings pickle (rank 0
+    sends them to the other ranks) and no worker or executor takes an EngineConfig."""
+    import inspect
+    import pickle
+
+    from vmkv.distributed.executor import TensorParallelExecutor
+    from vmkv.executor.local import LocalExecutor
+    from vmkv.executor.settings import WorkerSettings
+    from vmkv.executor.worker import Worker
+
+    monkeypatch.setenv("VMKV_AUTO_DTYPE", "float32")
+    config = EngineConfig(device="cuda", max_num_seqs=8, kv_cache_memory="64M",
+                          compile_layers=True)  # (the suite turns the default off)
+    settings = WorkerSettings.from_config(config, Path("models/m"))
+    assert (settings.dtype, settings.device, settings.max_num_seqs) == ("float32", "cuda", 8)
+    assert settings.cache == config.cache and settings.model_path == Path("models/m")
+    assert settings.cuda_graphs and settings.background_mapper and settings.compile_layers
+    eager = WorkerSettings.from_config(replace_config(config, enforce_eager=True), Path("m"))
+    assert not eager.cuda_graphs and not eager.compile_layers and eager.background_mapper
+    off = WorkerSettings.from_config(replace_config(config, cuda_graphs=False), Path("m"))
+    assert not off.cuda_graphs and off.compile_layers
+    tp = WorkerSettings.from_config(replace_config(config, tensor_parallel_size=2), Path("m"))
+    assert (tp.tensor_parallel_size, tp.cuda_graphs, tp.background_mapper) == (2, False, False)
+    assert pickle.loads(pickle.dumps(settings)) == settings
+    for cls in (Worker, LocalExecutor, TensorParallelExecutor):
+        hints = [str(p.annotation) for p in inspect.signature(cls).parameters.values()]
+        assert "WorkerSettings" in hints and not any("EngineConfig" in h for h in hints), cls
+
+
+def replace_config(config: EngineConfig, **changes: object) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)

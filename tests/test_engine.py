@@ -51,8 +51,8 @@ def run_engine(engine: LLMEngine, schedule: dict[int, list[tuple[str, str, Sampl
 
 def assert_nothing_held(engine: LLMEngine) -> None:
     kv = engine.kv
-    kv.check()
-    usage = kv.usage
+    kv.accounting.check()
+    usage = kv.accounting.usage
     assert usage.num_requests == 0 and usage.bytes_in_use == 0 and usage.num_tokens == 0
     assert not engine.scheduler.has_work() and not engine.requests
 
@@ -120,7 +120,7 @@ def test_n_samples_share_the_prompt_kv(kv_mode: str) -> None:
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = [c.token_ids for c in out.outputs]
-            peak = max(peak, engine.kv.usage.bytes_in_use)
+            peak = max(peak, engine.kv.accounting.usage.bytes_in_use)
             step += 1
         return peak, outs
 
@@ -236,14 +236,14 @@ def test_a_fused_engine_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch
     require_mkl()
     fused = {mode: make_llm(mode, linear_backend="mkl") for mode in ("virtual", "paged")}
     for llm in fused.values():
-        worker = llm.engine.executor.worker
-        assert worker.fused is not None and not worker.compiled
+        assert llm.engine.executor.layers == "fused"
+        assert llm.engine.executor.model_parts().fused is not None
         assert llm.engine.startup_report()[-1] == (
             "decoder layers fused (C++ calls around the attention)")
-    assert make_llm("paged", linear_backend="torch").engine.executor.worker.fused is None
+    assert make_llm("paged", linear_backend="torch").engine.executor.layers != "fused"
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")
     modules = make_llm("virtual", linear_backend="mkl")
-    assert modules.engine.executor.worker.fused is None
+    assert modules.engine.executor.model_parts().fused is None
     want = [o.outputs[0].token_ids for o in modules.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for llm in fused.values():
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -257,7 +257,7 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     through the real KV cache, freed again) unless told not to; the tokens do not change."""
     monkeypatch.setenv("VMKV_FUSED_LAYERS", "0")  # else the layers run fused, not compiled
     eager = make_llm("virtual")
-    assert not eager.engine.executor.worker.compiled and eager.engine.startup_report()[-1] == (
+    assert eager.engine.executor.layers == "eager" and eager.engine.startup_report()[-1] == (
         "model runs eagerly")
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("VMKV_COMPILE", "1")
@@ -267,7 +267,7 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     torch._dynamo.reset()  # this engine's warm-up compiles its own graphs, whatever ran before
     counters.clear()
     llm = make_llm("virtual")
-    assert llm.engine.executor.worker.compiled
+    assert llm.engine.executor.layers == "compiled"
     assert llm.engine.startup_report()[-1] == "decoder layers compiled (TorchInductor)"
     assert_nothing_held(llm.engine)  # the warm-up request is gone
     # the warm-up's steps of 2 and 1 tokens trace one graph, or two where torch's compile cache
@@ -280,7 +280,7 @@ def test_a_compiled_engine_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatc
     alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == want[0]  # one request: steps of 1 token
     assert counters["stats"]["unique_graphs"] == warm_up_graphs  # that graph serves every T
-    assert not make_llm("paged", enforce_eager=True).engine.executor.worker.compiled
+    assert make_llm("paged", enforce_eager=True).engine.executor.layers == "eager"
 
 
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
@@ -293,17 +293,19 @@ def test_closing_releases_weights_and_kv_and_a_dropped_engine_needs_no_collector
     import weakref
 
     llm = make_llm(kv_mode, enable_prefix_caching=True)
-    worker = llm.engine.executor.worker  # (fused layers where MKL is: the cycle-prone path)
+    # rank 0's model and KV manager (fused layers where MKL is: the cycle-prone path)
+    held_model, held_kv = llm.engine.executor.model_parts().model, llm.engine.kv
     llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     llm.close()
-    assert all(t.numel() == 0 for t in [*worker.model.parameters(), *worker.model.buffers()])
-    assert worker.kv.prefix is None
+    assert all(t.numel() == 0 for t in [*held_model.parameters(), *held_model.buffers()])
+    assert not held_kv.prefix.enabled  # the cache's memory went with the rest
     gc.collect()
     gc.disable()
     try:
         llm = make_llm(kv_mode, enable_prefix_caching=True)
         llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
-        model, kv = (weakref.ref(o) for o in (llm.engine.executor.worker.model, llm.engine.kv))
+        model, kv = (weakref.ref(o) for o in (llm.engine.executor.model_parts().model,
+                                              llm.engine.kv))
         del llm
         assert model() is None and kv() is None
     finally:

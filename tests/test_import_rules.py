@@ -27,9 +27,10 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 #: modules every layer may import; they import only each other (no torch-free module may pull
 #: a layer in, and collectives stay a leaf under the model and the executor alike)
-LEAVES = ("vmkv", "vmkv.config", "vmkv.config_args", "vmkv.envs", "vmkv.cpu_info",
-          "vmkv.sampling_params", "vmkv.commands", "vmkv.parent_death", "vmkv.process_tuning",
-          "vmkv.chat_template", "vmkv.structured.params", "vmkv.distributed.collectives")
+LEAVES = ("vmkv", "vmkv.config", "vmkv.options", "vmkv.config_args", "vmkv.envs",
+          "vmkv.cpu_info", "vmkv.sampling_params", "vmkv.commands", "vmkv.parent_death",
+          "vmkv.process_tuning", "vmkv.chat_template", "vmkv.structured.params",
+          "vmkv.distributed.collectives")
 
 
 def _imports(path: Path) -> list[tuple[str, str | None]]:

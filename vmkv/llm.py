@@ -8,8 +8,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vmkv.chat_template import chat_token_ids
-from vmkv.config import EngineConfig, check_names
+from vmkv.config import EngineConfig
 from vmkv.engine.outputs import RequestOutput
+from vmkv.options import check_names
 from vmkv.process_tuning import tune_process
 from vmkv.sampling_params import RequestOutputKind, SamplingParams
 

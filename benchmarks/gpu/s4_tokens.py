@@ -154,7 +154,7 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
                                                                  use_tqdm=False)]]
     # a unit must lie wholly inside a prompt: a 2 MiB page holds 2,048 tokens of this tiny
     # model in the all-layers layout, so virtual mode can only show no hit there
-    unit_tokens = engine.kv.prefix.units.unit_span(0)[1]
+    unit_tokens = engine.kv.prefix.caching.units.unit_span(0)[1]
     expect_hits = max(len(p) for p in prompts) - 1 >= unit_tokens
     again = llm.generate(prompts, params, use_tqdm=False)
     runs.append([list(o.outputs[0].token_ids) for o in again])
@@ -163,13 +163,13 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
               + ("cache hits" if expect_hits else "no whole unit, no hit"),
               (hits > 0) == expect_hits, cached_tokens=hits, unit_tokens=unit_tokens)
     info: dict[str, object] = {}
-    if engine.kv.mapper is not None:
-        info["mapper"] = engine.kv.mapper.stats.as_dict()
-    graphs = engine.executor.worker.runner.graphs
-    if graphs is not None:
-        info["graph_replays"] = graphs.num_replays
+    if engine.kv.mapping.mapper is not None:
+        info["mapper"] = engine.kv.mapping.mapper.stats.as_dict()
+    replays = engine.executor.graph_replays  # None: no graph was captured
+    if replays is not None:
+        info["graph_replays"] = replays
     res.record(f"engine_{mode}", info)
-    engine.kv.check()
+    engine.kv.accounting.check()
     llm.engine.close()
     return runs[0], runs[1]
 

@@ -1,9 +1,10 @@
-"""Which CUDA attention kernel a KV cache runs with (``kernel=`` or ``$VMKV_ATTENTION_BACKEND``).
+"""Which CUDA attention kernel a KV cache runs with (``kernel=``: an engine passes its
+``EngineConfig.attention_backend``, whose default is ``$VMKV_ATTENTION_BACKEND``).
 
     auto        best available: flash-attn > triton > aten-flash > sdpa (virtual);
-                flash-attn (block size % 256 == 0) > triton > sdpa (paged). On the H200
-                (torch 2.11, no flash-attn) the contiguous Triton twin's decode step is
-                1.02-1.37x faster than aten-flash, which has no split-KV there (docs/gpu-results.md)
+                flash-attn (block size % 256 == 0) > triton > sdpa (paged). Triton ranks
+                above aten-flash, which has no split-KV decode (the measurements:
+                docs/gpu-results.md)
     flash       flash-attn if installed, else aten-flash (virtual) / triton (paged)
     flash-attn  the flash_attn package: flash_attn_with_kvcache (slot ids or block table)
     aten-flash  torch.ops.aten._flash_attention_forward, varlen + seqused_k (virtual only)
@@ -26,7 +27,6 @@ from types import ModuleType
 
 import torch
 
-from vmkv import envs
 from vmkv.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,11 @@ FLASH_PAGED_BLOCK = 256  # FA2's paged KV needs block_size % 256 == 0
 
 
 def requested_kernel(kernel: str | None) -> str:
-    """``kernel`` or ``$VMKV_ATTENTION_BACKEND`` or "auto"; ValueError for unknown names."""
-    name = kernel or envs.VMKV_ATTENTION_BACKEND.get() or "auto"
+    """``kernel``, or "auto" when None; ValueError for unknown names. (The environment's
+    choice reaches here only through ``EngineConfig.attention_backend``.)"""
+    name = kernel or "auto"
     if name not in KERNELS:
-        raise ValueError(f"attention kernel must be one of {KERNELS}, got {name!r}"
-                         + ("" if kernel else f" (from ${envs.VMKV_ATTENTION_BACKEND.name})"))
+        raise ValueError(f"attention kernel must be one of {KERNELS}, got {name!r}")
     return name
 
 

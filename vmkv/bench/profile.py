@@ -68,10 +68,10 @@ class StepTimer:
         self.flops: dict[str, int] = {"gemm": 0, "lm_head": 0}
         self._undo: list[Callable[[], None]] = []
         self._in_lm_head = False
-        worker = engine.executor.worker  # rank 0: its model and attention backend
-        model = worker.model
+        parts = engine.executor.model_parts()  # rank 0's model and attention backend
+        model = parts.model
         #: fused C++ layers (vmkv.models.fused_layers) time their own GEMMs
-        self.fused = worker.fused
+        self.fused = parts.fused
         if self.fused is not None:
             fused = self.fused
             fused.profile(True)
@@ -88,8 +88,8 @@ class StepTimer:
                         self._wrap(module, "forward", "gemm", gemm=True)
         self._wrap(model, "compute_logits", "lm_head", gemm=True)
         self._wrap(model, "forward", "forward")
-        self._wrap(worker.attn, "write_kv", "kv_write")
-        self._wrap(worker.attn, "forward", "attention_forward")  # the write and the attention
+        self._wrap(parts.attention, "write_kv", "kv_write")
+        self._wrap(parts.attention, "forward", "attention_forward")  # the write and the attention
 
     def _wrap(self, obj: Any, method: str, part: str, *, gemm: bool = False) -> None:
         """Time ``obj.method`` into ``part`` (a GEMM's FLOPs from its input and output
@@ -282,12 +282,12 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                                        2 * context + warmup + repeats + 8))
     engine = LLMEngine(config)
     needed = batch * (context + warmup + repeats)  # decode's requests, held at once
-    if needed > engine.kv.capacity_tokens:
+    if needed > engine.kv.accounting.capacity_tokens:
         engine.close()
         raise ValueError(f"--batch-size {batch} x --context-len {context} needs about "
                          f"{needed} KV tokens, the KV budget holds "
-                         f"{engine.kv.capacity_tokens}: raise --kv-cache-memory")
-    attn = engine.executor.worker.attn
+                         f"{engine.kv.accounting.capacity_tokens}: raise --kv-cache-memory")
+    attn = engine.executor.model_parts().attention
     if not prefill_kernel and hasattr(attn, "batched_prefill"):
         attn.batched_prefill = False
     rates = machine_rates(config.linear_backend, engine.executor.dtype)
@@ -317,8 +317,8 @@ def run(config: Any, *, batch: int = 64, context: int = 256, prefill_batch: int 
                      "x_roofline": phase["step_ms"] / sum(roof.values())})
     engine.close()
     return {"bench": "profile", "rates": rates, "kv_mode": config.kv_mode,
-            "compiled": engine.executor.worker.compiled,
-            "fused_layers": engine.executor.worker.fused is not None,
+            "compiled": engine.executor.layers == "compiled",
+            "fused_layers": engine.executor.layers == "fused",
             "prefill_kernel": prefill_kernel, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "scenario": {"batch": batch, "context": context, "prefill_batch": prefill_batch,

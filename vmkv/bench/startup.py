@@ -50,9 +50,7 @@ engine.add_request("probe", [1] * 8, SamplingParams(temperature=0.0, max_tokens=
 while engine.has_unfinished_requests():
     engine.step()
 t["first_token"] = time.time()
-worker = engine.executor.worker
-t["layers"] = ("fused" if worker.fused is not None else "compiled" if worker.compiled
-               else "eager")
+t["layers"] = engine.executor.layers  # fused, compiled or eager
 print("VMKV_STARTUP " + json.dumps(t))
 """
 

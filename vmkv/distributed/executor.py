@@ -1,8 +1,8 @@
 """Rank 0's side of tensor parallelism: start the workers, send every step, notice failures.
 
-    TensorParallelExecutor(config, model_path)     spawn ranks 1..local-1, join the groups,
-                                                   send them the config; build rank 0's
-                                                   Worker (they build theirs), wait for all
+    TensorParallelExecutor(settings, ...)          spawn ranks 1..local-1, join the groups,
+                                                   send them the worker settings; build rank
+                                                   0's Worker (they build theirs), wait for all
     executor.kv                                    rank 0's KV manager, recording its changes
     executor.execute(plan)                         the workers apply the changes, then run the
                                                    same forward (all-reduces meet)
@@ -15,7 +15,7 @@ single-rank :class:`~vmkv.executor.local.LocalExecutor`.
 The scheduler runs here only, and only rank 0's KV manager decides: the workers apply its
 changes (:mod:`vmkv.kv.changes`), the exact slots, pages and blocks it chose. A worker that
 dies breaks gloo's connections, so the next collective fails at once; one that hangs fails it
-after ``config.distributed_timeout`` seconds. Either way the engine gets a
+after ``timeout`` seconds (``--distributed-timeout``). Either way the engine gets a
 :class:`TensorParallelError` naming the rank.
 """
 
@@ -29,14 +29,11 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from vmkv.commands import Stop
-from vmkv.config import EngineConfig
 from vmkv.distributed.collectives import (
     barrier,
     broadcast_message,
@@ -47,9 +44,10 @@ from vmkv.distributed.collectives import (
 from vmkv.distributed.kv_checks import KVDivergedError, agree_vma_budget, kv_digest
 from vmkv.distributed.messages import StepMessage
 from vmkv.distributed.worker import local_worker_command, rank_device
-from vmkv.executor.base import Executor
-from vmkv.executor.model_runner import StepOutput
+from vmkv.executor.base import StepOutput
 from vmkv.executor.plan import StepPlan
+from vmkv.executor.rank_zero import RankZeroExecutor
+from vmkv.executor.settings import WorkerSettings
 from vmkv.executor.worker import Worker
 from vmkv.models.loader import load_model_config
 from vmkv.models.sharding import check_divisible
@@ -76,28 +74,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallelExecutor(Executor):
-    """Rank 0 of ``config.tensor_parallel_size`` ranks (see the module docstring)."""
+class TensorParallelExecutor(RankZeroExecutor):
+    """Rank 0 of ``settings.tensor_parallel_size`` ranks (see the module docstring).
 
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
-        size = config.tensor_parallel_size
-        local = config.tp_local_ranks or size
+    Args:
+        settings: how every rank builds its worker (sent to the other ranks at start-up).
+        local_ranks: ranks this machine starts (0 .. local_ranks-1); the others join with
+            ``vmkv tp-worker``.
+        init_method: the torch.distributed rendezvous (None: a free port on 127.0.0.1).
+        timeout: seconds a collective waits for a rank before the engine fails.
+        check: compare every rank's KV manager with rank 0's after every step (``--tp-check``).
+    """
+
+    def __init__(self, settings: WorkerSettings, *, local_ranks: int,
+                 init_method: str | None = None, timeout: float = 120, check: bool = False
+                 ) -> None:
+        size, local = settings.tensor_parallel_size, local_ranks
         if local > size:
             raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
-        check_divisible(load_model_config(model_path), size)  # before any process starts
+        check_divisible(load_model_config(settings.model_path), size)  # before any process
         if dist.is_initialized():  # an engine nobody closed and nothing holds: release it now
             gc.collect()
         if dist.is_initialized():
             raise ValueError("this process already runs a tensor-parallel engine (or another "
                              "torch.distributed group): one per process; close it first")
         self.size = size
-        self.check = bool(config.tp_check)
+        self.check = check
         self.closed = False
         self.failed = False  # a collective failed: the ranks are out of step for good
-        self.timeout = float(config.distributed_timeout)
+        self.timeout = float(timeout)
         self._threads_before = torch.get_num_threads()  # restored by close()
         self._last_message = time.monotonic()
-        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // local)
         self.workers: dict[int, subprocess.Popen] = {}  # rank -> process
         try:
@@ -105,51 +113,44 @@ class TensorParallelExecutor(Executor):
                 # its own session: a Ctrl-C or SIGTERM to the server's process group must not
                 # kill the ranks under a graceful drain (close() ends them)
                 self.workers[rank] = subprocess.Popen(local_worker_command(
-                    rank, size, init_method, rank_device(config.device, rank),
-                    config.distributed_timeout, threads), start_new_session=True)
-            if config.device == "cpu":
+                    rank, size, init_method, rank_device(settings.device, rank),
+                    timeout, threads), start_new_session=True)
+            if settings.device == "cpu":
                 torch.set_num_threads(threads)
-            init_tensor_parallel(0, size, init_method, rank_device(config.device, 0),
-                                 config.distributed_timeout)
-            broadcast_message(replace(config, model=str(model_path)), STARTUP_TIMEOUT)
-            self.worker = Worker(config, model_path)  # the workers build theirs meanwhile
-            self._wait_ready()
+            init_tensor_parallel(0, size, init_method, rank_device(settings.device, 0),
+                                 timeout)
+            broadcast_message(settings, STARTUP_TIMEOUT)
+            self._worker = Worker(settings)  # the workers build theirs meanwhile
+            self._wait_ready(self._worker)
         except BaseException:
             self.close(graceful=False)
             raise
         # rank 0's manager decides; its changes reach every rank with the next step
-        self.kv = self.worker.kv
-        self.kv.record_changes()
-        self.model_config = self.worker.model_config
-        self.model_name = model_path.name
-        self.max_model_len = self.worker.max_model_len
-        self.dtype = self.worker.model.dtype
+        self._adopt(self._worker, settings.model_path.name)
+        self.kv.changes.record()
         atexit.register(self.close)  # an engine never closed still stops its workers
         logger.info("tensor parallel: %d ranks (%d on this machine, %d CPU threads each) at %s",
                     size, local, threads, init_method)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, worker: Worker) -> None:
         """Wait until every rank has built its shard (warm-up included), at most
         STARTUP_TIMEOUT seconds, failing as soon as a local worker dies; the ranks' KV managers
         then share the smallest VMA budget (a per-process quantity that would otherwise let
         the same call succeed on one rank and fail on another)."""
         try:
-            agree_vma_budget(self.worker.kv, STARTUP_TIMEOUT, self._raise_if_dead)
+            agree_vma_budget(worker.kv, STARTUP_TIMEOUT, self._raise_if_dead)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Send the KV calls so far and ``plan``; rank 0's worker runs it meanwhile."""
         with self._step(plan):
-            return self.worker.runner.execute(plan)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.worker.runner.compute_logits(hidden)
+            return super().execute(plan)
 
     def describe(self) -> list[str]:
-        return [self.worker.describe(),
+        return [*super().describe(),
                 f"tensor parallel: {self.size} ranks; each holds the KV above for "
-                f"{self.worker.model.config.num_kv_heads} of the "
+                f"{self._rank_zero().model.config.num_kv_heads} of the "
                 f"{self.model_config.num_kv_heads} KV heads"]
 
     @contextmanager
@@ -185,9 +186,8 @@ class TensorParallelExecutor(Executor):
             return
         self.closed = True
         atexit.unregister(self.close)
-        worker = getattr(self, "worker", None)  # absent when start-up failed before it
-        if worker is not None:
-            worker.close()
+        if self._worker is not None:  # None when start-up failed before it
+            self._worker.close()
         if not graceful or self.failed or self._dead_workers():  # nothing to finish: kill
             for worker in self.workers.values():
                 worker.kill()
@@ -210,7 +210,7 @@ class TensorParallelExecutor(Executor):
     # -- inside ---------------------------------------------------------------------------------
     def _message(self, *, step: StepPlan | None = None, ping: bool = False) -> StepMessage:
         kv = getattr(self, "kv", None)  # absent while starting
-        return StepMessage(kv.take_changes() if kv else [], step, ping=ping,
+        return StepMessage(kv.changes.take() if kv else [], step, ping=ping,
                            check=self.check and step is not None)
 
     def _send(self, message: StepMessage) -> None:

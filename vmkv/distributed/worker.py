@@ -1,6 +1,6 @@
 """A tensor-parallel worker: ranks 1..N-1, each one process holding its shard and KV.
 
-    join the groups ─▶ receive the engine config from rank 0 ─▶ Worker (same warm-up)
+    join the groups ─▶ receive the worker settings from rank 0 ─▶ Worker (same warm-up)
     loop: receive StepMessage ─▶ apply rank 0's KV changes (decide nothing) ─▶ the worker's
           runner runs the step's forward (its all-reduces meet rank 0's) ─▶
           [barrier | send a KV digest]
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 from vmkv.commands import Stop
 from vmkv.parent_death import die_with_parent
@@ -70,11 +69,11 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
                         format=f"%(asctime)s vmkv tp rank {rank} %(levelname)s %(message)s")
     init_tensor_parallel(rank, size, init_method, device, timeout)
     try:
-        config = broadcast_message()
-        worker = Worker(config, Path(config.model), rank=rank, device=device)
+        settings = broadcast_message()  # rank 0's WorkerSettings
+        worker = Worker(settings, rank=rank, device=device)
         agree_vma_budget(worker.kv)  # ready: rank 0 waits for every shard
         logger.info("serving %s, KV: %s", worker.model.config.architecture,
-                    worker.kv.describe())
+                    worker.kv.accounting.describe())
         while True:
             try:
                 message = broadcast_message()
@@ -84,7 +83,7 @@ def serve_rank(rank: int, size: int, init_method: str, device: str, timeout: flo
             if isinstance(message, Stop):
                 break
             assert isinstance(message, StepMessage)
-            worker.kv.apply_changes(message.kv_changes)
+            worker.kv.changes.apply(message.kv_changes)
             if message.step is not None:
                 worker.runner.forward(message.step)
             if message.ping:

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from vmkv import envs
 from vmkv.attention.base import AttentionBackend
 from vmkv.attention.cuda import CudaAttentionBackend
 from vmkv.attention.staging import Field, layout
-from vmkv.memory.mapper import BackgroundMapper
 from vmkv.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -87,13 +85,14 @@ class DecodeGraphRunner:
         attn: a CUDA attention backend with ``supports_cuda_graphs``.
         max_batch_size: the largest decode batch (``max_num_seqs``).
         batch_sizes: buckets to capture (default :func:`default_batch_sizes`).
-        mapper: a background mapper to pause while capturing.
+        pause_mapping: the KV manager's ``mapping.paused``: no map call while capturing.
         graph_factory: makes one graph per bucket (tests pass a CPU double; the default is
             :class:`TorchCudaGraph` on a shared pool).
     """
 
     def __init__(self, model: LlamaModel, attn: CudaAttentionBackend, *, max_batch_size: int,
-                 batch_sizes: list[int] | None = None, mapper: BackgroundMapper | None = None,
+                 batch_sizes: list[int] | None = None,
+                 pause_mapping: Callable[[], AbstractContextManager[None]] | None = None,
                  graph_factory: Callable[[], Graph] | None = None) -> None:
         if not attn.supports_cuda_graphs:
             raise ValueError(f"attention backend {getattr(attn, 'name', attn)!r} cannot be "
@@ -106,7 +105,7 @@ class DecodeGraphRunner:
         self.model = model
         self.attn = attn
         self.batch_sizes = sizes
-        self.mapper = mapper
+        self.pause_mapping = pause_mapping
         if graph_factory is None:
             pool = torch.cuda.graph_pool_handle()
             graph_factory = lambda: TorchCudaGraph(pool)  # noqa: E731
@@ -134,8 +133,8 @@ class DecodeGraphRunner:
     # -- capture ------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, with the mapper paused."""
-        with self.mapper.paused() if self.mapper is not None else nullcontext():
+        """Capture every bucket, largest first, with the mapping paused."""
+        with self.pause_mapping() if self.pause_mapping is not None else nullcontext():
             for b in sorted(self.batch_sizes, reverse=True):
                 self._capture(b)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -187,22 +186,25 @@ class DecodeGraphRunner:
 
 
 def maybe_create_graph_runner(model: LlamaModel, attn: AttentionBackend, *,
-                              max_batch_size: int, mapper: BackgroundMapper | None = None,
+                              max_batch_size: int,
+                              pause_mapping: Callable[[], AbstractContextManager[None]]
+                              | None = None,
                               graph_factory: Callable[[], Graph] | None = None
                               ) -> DecodeGraphRunner | None:
     """A captured :class:`DecodeGraphRunner` for CUDA engines whose backend allows it; None on
-    CPU, when ``$VMKV_CUDA_GRAPHS=0``, when the backend cannot be captured, or when capturing
-    fails (logged with its root cause: every step then runs eagerly). ``graph_factory`` as in
+    CPU, when the backend cannot be captured, or when capturing fails (logged with its root
+    cause: every step then runs eagerly). Whether to try at all is the caller's
+    (``EngineConfig.cuda_graphs``, ``enforce_eager``). ``graph_factory`` as in
     :class:`DecodeGraphRunner` (tests)."""
-    if model.device.type != "cuda" or not envs.cuda_graphs():
+    if model.device.type != "cuda":
         return None
     if not attn.supports_cuda_graphs:
         logger.warning("CUDA graphs off: attention backend %s cannot be captured",
                        getattr(attn, "name", attn))
         return None
     try:
-        runner = DecodeGraphRunner(model, attn, max_batch_size=max_batch_size, mapper=mapper,
-                                   graph_factory=graph_factory)
+        runner = DecodeGraphRunner(model, attn, max_batch_size=max_batch_size,
+                                   pause_mapping=pause_mapping, graph_factory=graph_factory)
         runner.capture()
     except Exception as exc:  # noqa: BLE001 - degrade to eager steps, with the reason
         _check_device_usable(attn.device, exc)

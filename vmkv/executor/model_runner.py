@@ -3,11 +3,12 @@ logits of its sample rows (and the prompt spans' hidden states) out. Every rank 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from vmkv.attention.base import AttentionBackend
+from vmkv.executor.base import StepOutput
 from vmkv.executor.plan import StepPlan
 from vmkv.models.llama import LlamaModel
 
@@ -15,24 +16,22 @@ if TYPE_CHECKING:
     from vmkv.executor.cuda_graphs import DecodeGraphRunner
 
 
-class StepOutput(NamedTuple):
-    """``logits [N, vocab]`` (float32; None when the plan samples nothing) of the plan's
-    ``sample_rows``, and the hidden states ``[count, hidden]`` of each of its
-    ``prompt_spans``."""
-
-    logits: torch.Tensor | None
-    prompt_hidden: list[torch.Tensor]
-
-
 class ModelRunner:
     """Owns the model and the attention backend of one rank; every tensor of a step is built
-    here."""
+    here.
+
+    Args:
+        model, attn: the rank's model and the attention backend over its KV cache.
+        graphs: its decode steps, already captured as CUDA graphs (built before the runner,
+            :func:`~vmkv.executor.cuda_graphs.maybe_create_graph_runner`); None runs every
+            step eagerly.
+    """
 
     def __init__(self, model: LlamaModel, attn: AttentionBackend,
                  graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.attn = attn
-        self.graphs = graphs  # captured decode steps (CUDA); None runs every step eagerly
+        self.graphs = graphs
         self.device = model.device
 
     @torch.inference_mode()

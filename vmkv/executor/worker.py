@@ -1,30 +1,33 @@
 """One rank of an engine: its part of the model, the KV manager of its heads, the attention
 backend, and the model runner; built the same way on every rank.
 
-    Worker(config, model_path, rank=r)   load rank r's shard (the whole model with one rank),
-                                         its KV manager and attention backend, compile or fuse
-                                         the decoder layers as the config says
-    worker.runner.execute(plan)          the step's forward (ModelRunner: the only forward)
+    Worker(settings, rank=r)      load rank r's shard (the whole model with one rank), its KV
+                                  manager and attention backend; on CUDA, start the KV
+                                  manager's mapper and capture the decode graphs, then the
+                                  runner with them; on the CPU, fuse or compile the decoder
+                                  layers as the settings say
+    worker.runner.execute(plan)   the step's forward (ModelRunner: the only forward)
 
 Rank 0 lives in the engine's process, inside its executor (vmkv/executor/local.py, or
 vmkv/distributed/executor.py with tensor parallelism); ranks 1..N-1 each in a worker process
-(vmkv/distributed/worker.py). They build with the same config, so their geometry, warm-up
-steps (and the collectives inside them) agree.
+(vmkv/distributed/worker.py). They build with the same :class:`WorkerSettings`, so their
+geometry, warm-up steps (and the collectives inside them) agree.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from vmkv.attention import create_attention_backend
-from vmkv.config import EngineConfig, resolve_max_model_len
+from vmkv.config import resolve_max_model_len
 from vmkv.cpu_info import bf16_hardware
 from vmkv.distributed.collectives import local_only
+from vmkv.executor.cuda_graphs import maybe_create_graph_runner
 from vmkv.executor.model_runner import ModelRunner
 from vmkv.executor.plan import StepPlan
+from vmkv.executor.settings import WorkerSettings
 from vmkv.kv import create_kv_cache
 from vmkv.models import load_model, parse_dtype
 from vmkv.models.compile import try_compile, uncompile_layers
@@ -41,48 +44,65 @@ class Worker:
             model's config.
         max_model_len: longest prompt + output.
         kv, attn: the KV manager of this rank's heads, the attention backend over it.
-        runner: the :class:`ModelRunner`.
+        runner: the :class:`ModelRunner` (with its captured decode graphs, if any).
         compiled: the decoder layers are compiled (TorchInductor).
         fused: the decoder layers as C++ calls (vmkv.models.fused_layers), or None.
     """
 
-    def __init__(self, config: EngineConfig, model_path: Path, *, rank: int = 0,
+    def __init__(self, settings: WorkerSettings, *, rank: int = 0,
                  device: str | None = None) -> None:
-        """Raises ValueError for a bad model, a ``max_model_len`` past the model's limit, or a
-        tensor-parallel size that does not divide the model's heads."""
-        device = device or config.device
+        """``device``: this rank's (default: ``settings.device``). Raises ValueError for a bad
+        model, a ``max_model_len`` past the model's limit, or a tensor-parallel size that does
+        not divide the model's heads."""
+        device = device or settings.device
         self.rank = rank
-        dtype = parse_dtype(config.torch_dtype_name)
+        dtype = parse_dtype(settings.dtype)
         if device == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
             logger.warning("bfloat16 on a CPU without bfloat16 hardware (amx_bf16, avx512_bf16): "
                            "it runs emulated, several times slower than float32 "
                            "(--dtype float32)")
         self.model, self.model_config = load_model(
-            model_path, dtype, device, linear_backend=config.linear_backend,
-            tensor_parallel=(rank, config.tensor_parallel_size))
-        self.max_model_len = resolve_max_model_len(config, self.model_config.max_model_len)
-        self.kv = create_kv_cache(config.cache, self.model.config.kv_spec(dtype),
-                                  num_slots=config.max_num_seqs,
+            settings.model_path, dtype, device, linear_backend=settings.linear_backend,
+            tensor_parallel=(rank, settings.tensor_parallel_size))
+        self.max_model_len = resolve_max_model_len(settings.max_model_len,
+                                                   self.model_config.max_model_len)
+        self.kv = create_kv_cache(settings.cache, self.model.config.kv_spec(dtype),
+                                  num_slots=settings.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device)
-        self.attn = create_attention_backend(self.kv, config.attention_backend)
-        self.runner = ModelRunner(self.model, self.attn)
+        self.attn = create_attention_backend(self.kv, settings.attention_backend)
+        # virtual mode on CUDA: the KV manager maps the next steps' pages on its own thread
+        # while the GPU computes (off with --no-background-mapper)
+        if settings.background_mapper:
+            self.kv.mapping.start()
+        # decode steps as CUDA graphs, captured with the mapping paused (off with
+        # --enforce-eager or --no-cuda-graphs); None on the CPU
+        graphs = (maybe_create_graph_runner(self.model, self.attn,
+                                            max_batch_size=settings.max_num_seqs,
+                                            pause_mapping=self.kv.mapping.paused)
+                  if settings.cuda_graphs else None)
+        self.runner = ModelRunner(self.model, self.attn, graphs)
         # CPU float32 with MKL or brgemm linears, or bfloat16 with brgemm ones: the layers as
         # C++ calls (off: --no-fused-layers);
         # otherwise compiled with TorchInductor (off: --enforce-eager or --no-compile-layers;
         # without a compiler or on a failure: eager, logged). Warm-up without collectives:
         # each rank compiles (or not, or fails) on its own
-        self.fused = (fuse_layers(self.model) if device == "cpu" and config.fused_layers
+        self.fused = (fuse_layers(self.model) if device == "cpu" and settings.fused_layers
                       else None)
         with local_only():
             self.compiled = (device == "cpu" and self.fused is None
-                             and not config.enforce_eager and bool(config.compile_layers)
+                             and settings.compile_layers
                              and try_compile(self.model, self.warm_up_step))
+
+    @property
+    def layers(self) -> str:
+        """How the decoder layers run: ``fused``, ``compiled`` or ``eager``."""
+        return "fused" if self.fused is not None else "compiled" if self.compiled else "eager"
 
     def describe(self) -> str:
         """How the decoder layers run (the start-up report's line)."""
-        return ("decoder layers fused (C++ calls around the attention)" if self.fused is not None
-                else "decoder layers compiled (TorchInductor)" if self.compiled
-                else "model runs eagerly")
+        return {"fused": "decoder layers fused (C++ calls around the attention)",
+                "compiled": "decoder layers compiled (TorchInductor)",
+                "eager": "model runs eagerly"}[self.layers]
 
     def warm_up_step(self, num_tokens: int) -> None:
         """One real forward of ``num_tokens`` tokens of a throw-away request (compiles the
