@@ -194,12 +194,12 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """Record that the step ran: scheduled tokens are now computed (and their completed
         units published to the prefix cache)."""
-        caching = self.kv.prefix.enabled
+        prefix = self.kv.prefix
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
-            if caching:
-                self.kv.prefix.publish(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                       seq.request.cache_salt)
+            if prefix.enabled:
+                prefix.publish(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                               seq.request.cache_salt)
 
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:
@@ -226,11 +226,12 @@ class Scheduler:
         if not self.running:
             return True
         total = seq.num_new_tokens + (seq.swapped.num_tokens if seq.swapped else 0)
-        need = self.kv.room.units_needed(seq.seq_id, total)
+        room = self.kv.room
+        need = room.units_needed(seq.seq_id, total)
         if need is None:
             return False
-        reserve = sum(self.kv.room.units_needed(r.seq_id, 1) or 0 for r in self.running)
-        return need + reserve <= self.kv.room.free_units
+        reserve = sum(room.units_needed(r.seq_id, 1) or 0 for r in self.running)
+        return need + reserve <= room.free_units
 
     # -- preemption ---------------------------------------------------------------------------
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
