@@ -107,9 +107,10 @@ def test_every_module_imports_only_the_layers_below_it_and_the_leaves() -> None:
     assert sorted(upward) == [], "imports against the layer order"
 
 
-def test_the_engine_reaches_memory_only_through_the_kv_contract() -> None:
+def test_the_engine_and_the_executor_reach_memory_only_through_the_kv_contract() -> None:
+    above_kv = ("vmkv.engine", "vmkv.llm", "vmkv.executor", "vmkv.distributed")
     uses = [f"{module} -> {target}" for module, imported in _module_graph().items()
-            if _is(module, "vmkv.engine") or module == "vmkv.llm"
+            if any(_is(module, name) for name in above_kv)
             for target in imported if _is(target, "vmkv.memory")]
     assert uses == []
 
