@@ -46,11 +46,13 @@ def _step(model: LlamaModel, kv: KVCacheManager, attn: Any, rids: list[str],
 
 @torch.inference_mode()
 def greedy_generate(model: LlamaModel, kv: KVCacheManager, prompts: list[list[int]],
-                    max_new_tokens: int, *, prefill_chunk: int | None = None) -> list[list[int]]:
+                    max_new_tokens: int, *, prefill_chunk: int | None = None,
+                    kernel: str | None = None) -> list[list[int]]:
     """Greedy-decode all prompts together, as an engine would: every step batches each
     unfinished request's next chunk (prompt part or last sampled token), samples the argmax
-    of the logits of requests whose prompt is fully cached. No EOS stop."""
-    attn = create_attention_backend(kv)
+    of the logits of requests whose prompt is fully cached. No EOS stop. ``kernel``: the CUDA
+    attention kernel (None: auto)."""
+    attn = create_attention_backend(kv, kernel)
     rids = [f"req-{i}" for i in range(len(prompts))]
     tokens = [list(p) for p in prompts]
     done = [0] * len(prompts)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from typing import Any
 
 from common import (
@@ -82,30 +81,28 @@ def vmkv_greedy(model, dtype, mode: str, kernel: str | None, prompts, *, chunk=N
     from vmkv.config import CacheConfig
     from vmkv.kv import create_kv_cache
 
-    if kernel is not None:
-        os.environ["VMKV_ATTENTION_BACKEND"] = kernel
-    else:
-        os.environ.pop("VMKV_ATTENTION_BACKEND", None)
     spec = model.config.kv_spec(dtype)
     kv = create_kv_cache(CacheConfig(kv_mode=mode, kv_cache_memory=256 << 20, block_size=16),
                          spec, num_slots=8, max_model_len=512, device=DEVICE)
     try:
         if not graphs:
-            return mh.greedy_generate(model, kv, prompts, NEW_TOKENS, prefill_chunk=chunk)
-        return graph_greedy(model, kv, prompts)
+            return mh.greedy_generate(model, kv, prompts, NEW_TOKENS, prefill_chunk=chunk,
+                                      kernel=kernel)
+        return graph_greedy(model, kv, prompts, kernel)
     finally:
         sync()
         kv.close()
 
 
-def graph_greedy(model, kv, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Prefill eagerly, then every decode step through a captured DecodeGraphRunner."""
+def graph_greedy(model, kv, prompts, kernel: str | None) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Prefill eagerly, then every decode step through a captured DecodeGraphRunner
+    (``kernel``: the CUDA attention kernel, None: auto)."""
     import torch
 
     from vmkv.attention import create_attention_backend
     from vmkv.executor.cuda_graphs import DecodeGraphRunner
 
-    attn = create_attention_backend(kv)
+    attn = create_attention_backend(kv, kernel)
     runner = DecodeGraphRunner(model, attn, max_batch_size=8)
     runner.capture()
     rids = [f"g{i}" for i in range(len(prompts))]
@@ -141,13 +138,13 @@ def engine_tokens(path, mode: str, prompts, res: Result  # type: ignore[no-untyp
     engine builds the last two itself on CUDA; on a CPU dry run it has neither). The prompts
     run twice: prefix caching is on by default, so the second run hits the cached pages/blocks
     (virtual: cached physical pages mapped at a second slot's VA). Returns both runs' tokens."""
-    os.environ.pop("VMKV_ATTENTION_BACKEND", None)
     from vmkv.llm import LLM
     from vmkv.sampling_params import SamplingParams
 
     llm = LLM(str(path), kv_mode=mode, device=DEVICE, dtype="bfloat16",
               kv_cache_memory=256 << 20, max_model_len=512, max_num_seqs=8,
-              max_num_batched_tokens=512)  # prefill all at once
+              max_num_batched_tokens=512,  # prefill all at once
+              attention_backend="auto")  # whatever $VMKV_ATTENTION_BACKEND says
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     runs = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,

@@ -86,9 +86,8 @@ class TensorParallelExecutor(RankZeroExecutor):
         check: compare every rank's KV manager with rank 0's after every step (``--tp-check``).
     """
 
-    def __init__(self, settings: WorkerSettings, *, local_ranks: int,
-                 init_method: str | None = None, timeout: float = 120, check: bool = False
-                 ) -> None:
+    def __init__(self, settings: WorkerSettings, *, local_ranks: int, timeout: float,
+                 init_method: str | None = None, check: bool = False) -> None:
         size, local = settings.tensor_parallel_size, local_ranks
         if local > size:
             raise ValueError(f"tp_local_ranks ({local}) exceeds tensor_parallel_size ({size})")
