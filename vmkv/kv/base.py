@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -41,13 +42,23 @@ from vmkv.memory.errors import VmmError
 __all__ = ["KVCacheManager", "KVUsage", "PrefixCacheStats", "SwappedKV", "VmmError"]
 
 
+class RequestAllocator(Protocol):
+    """A mode's allocator: what :meth:`KVCacheManager.allocate`, ``free`` and ``fork`` do."""
+
+    def allocate(self, request_id: str, num_new_tokens: int) -> bool: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def fork(self, parent_id: str, child_id: str) -> bool: ...
+
+
 class KVCacheManager(ABC):
     """Owns the KV memory of all requests of one engine.
 
     Invariants: a request's room only grows until :meth:`free`; ``allocate`` and ``fork`` are
     all-or-nothing; after every request is freed nothing is held but reusable capacity. A mode
-    sets its parts in ``__init__`` (``_room``, ``_swap``, ``_prefix``, ``_changes``,
-    ``_mapping``, ``_accounting``).
+    sets its allocator and parts in ``__init__`` (``_allocator``, ``_room``, ``_swap``,
+    ``_prefix``, ``_changes``, ``_mapping``, ``_accounting``).
     """
 
     #: "virtual" or "paged"
@@ -56,6 +67,7 @@ class KVCacheManager(ABC):
     spec: KVSpec
     device: torch.device
 
+    _allocator: RequestAllocator
     _room: KVRoom
     _swap: KVSwap
     _prefix: PrefixPart
@@ -63,7 +75,6 @@ class KVCacheManager(ABC):
     _mapping: KVMapping
     _accounting: KVAccounting
 
-    @abstractmethod
     def allocate(self, request_id: str, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request_id`` (registering it on
         first use). Returns False, changing nothing, when memory or slots are short.
@@ -74,14 +85,15 @@ class KVCacheManager(ABC):
         (``accounting.check()``), so the caller may fail that request alone. ``fork``,
         ``swap.back`` and ``prefix.match`` raise it the same way.
         """
+        return self._allocator.allocate(request_id, num_new_tokens)
 
-    @abstractmethod
     def free(self, request_id: str) -> None:
         """Release everything ``request_id`` holds; unknown ids raise KeyError."""
+        self._allocator.free(request_id)
 
-    @abstractmethod
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Make ``child_id`` share ``parent_id``'s tokens copy-on-write; False if it cannot."""
+        return self._allocator.fork(parent_id, child_id)
 
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

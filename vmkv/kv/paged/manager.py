@@ -116,15 +116,6 @@ class PagedKVCache(KVCacheManager):
         self.max_blocks = -(-max_model_len // block_size)
 
     # -- the contract ---------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
-        return self._allocator.allocate(request_id, num_new_tokens)
-
-    def free(self, request_id: str) -> None:
-        self._allocator.free(request_id)
-
-    def fork(self, parent_id: str, child_id: str) -> bool:
-        return self._allocator.fork(parent_id, child_id)
-
     def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
                    full_width: bool = False) -> BlockAddressing:
         """The step's block table ``[B, W]`` (``W`` = the longest table, or ``max_blocks``),

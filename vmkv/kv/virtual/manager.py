@@ -158,15 +158,6 @@ class VirtualKVCache(KVCacheManager):
         self._layer_views = state.regions.layer_views(state.slots.num_va_slots)
 
     # -- the contract ---------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_new_tokens: int) -> bool:
-        return self._allocator.allocate(request_id, num_new_tokens)
-
-    def free(self, request_id: str) -> None:
-        self._allocator.free(request_id)
-
-    def fork(self, parent_id: str, child_id: str) -> bool:
-        return self._allocator.fork(parent_id, child_id)
-
     def addressing(self, request_ids: Sequence[str], context_lens: Sequence[int], *,
                    full_width: bool = False) -> SlotAddressing:
         slot_of = self.slots.slot_of
