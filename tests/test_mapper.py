@@ -1,7 +1,7 @@
 """Background mapper: ordering, waiting without spinning, pause, errors, the never-unmap rule,
 and a virtual KV cache growing on the host backend (real mmap) while the mapper pre-maps.
 
-The KV side is :class:`VirtualKVCache`'s hook (``attach_mapper`` / ``premap_ahead``; see
+The KV side is the manager's mapping part (``kv.mapping.attach`` / ``kv.mapping.units``; see
 docs/gpu.md).
 """
 

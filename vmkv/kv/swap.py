@@ -84,7 +84,7 @@ class KVSwap:
         (nothing changed) when memory or slots are short. ValueError if it holds KV."""
         state = self._state
         if request_id in state.tokens:
-            raise ValueError(f"swap_in of {request_id!r} which already holds KV")
+            raise ValueError(f"swap.back of {request_id!r}, which already holds KV")
         if not self._allocator.allocate(request_id, swapped.num_tokens):
             return False
         state.saved[request_id] = list(swapped.data)  # what SwapIn copies back, here
