@@ -34,7 +34,7 @@ from vmkv.engine.errors import EngineDeadError, EngineOverloadedError
 from vmkv.engine.front import EngineFront
 from vmkv.engine.llm_engine import LLMEngine
 from vmkv.engine.outputs import RequestOutput
-from vmkv.engine.request_stream import RequestStream
+from vmkv.engine.request_stream import RequestStream, settle
 from vmkv.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "RequestStream"]
@@ -80,12 +80,7 @@ class ThreadTransport:
                 if not ok:
                     logger.warning("%r failed: %s", command, value)
                 return
-            # a caller cancelled meanwhile cancelled its future too: nobody waits for this
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
+            settle(future, ok, value)
 
         return done
 

@@ -33,7 +33,7 @@ from typing import Any
 from vmkv.commands import Abort, AbortAll, Add, Command, Stop
 from vmkv.engine.errors import EngineDeadError
 from vmkv.engine.outputs import RequestOutput
-from vmkv.engine.request_stream import RequestStream
+from vmkv.engine.request_stream import RequestStream, settle
 from vmkv.sampling_params import SamplingParams
 
 logger = logging.getLogger("vmkv")
@@ -95,7 +95,8 @@ class ReplicaClient:
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   cache_salt: str | None, max_waiting: int | None) -> RequestStream:
         """Submit a request to this replica (errors as :meth:`AsyncEngine.add`)."""
-        stream = RequestStream(self, request_id, asyncio.get_running_loop(), params)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), params,
+                               self.index)
         with self._lock:  # registered first: its outputs may come right after the reply
             self._streams[request_id] = (stream, params.n)
             self.load += params.n
@@ -200,13 +201,8 @@ class ReplicaClient:
     def _resolve(self, call_id: int | None, ok: bool, value: Any) -> None:
         with self._lock:
             future = self._pending.pop(call_id, None) if call_id is not None else None
-        if future is None:
-            return
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
+        if future is not None:
+            settle(future, ok, value)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

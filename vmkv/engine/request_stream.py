@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from vmkv.commands import Abort, Command
 from vmkv.engine.outputs import OutputAccumulator, RequestOutput
 from vmkv.sampling_params import RequestOutputKind, SamplingParams
+
+
+def settle(future: concurrent.futures.Future, ok: bool, value: Any) -> None:
+    """Give a command's caller its answer (``value``, or the exception ``value`` when not
+    ``ok``); a caller that gave up meanwhile cancelled its future: nobody waits, nothing to do."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 class CommandSink(Protocol):
@@ -35,9 +46,11 @@ class RequestStream:
     """
 
     def __init__(self, engine: CommandSink, request_id: str, loop: asyncio.AbstractEventLoop,
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, engine_index: int = 0) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.params = params
+        self.engine_index = engine_index  # which data-parallel replica runs it (metrics)
         self.loop = loop
         self.finished = False
         self._deltas = params.output_kind is RequestOutputKind.DELTA
