@@ -6,7 +6,9 @@
 //   block table (paged mode):   row(b, t) = table[b][t / bs] * bs + t % bs
 // and the element address is  base + row * stride_row + kv_head * stride_head + d.
 // Same loops, same arithmetic order in both modes, so both produce bit-identical outputs for the
-// same data. Nothing at or past seq_lens[b] is read. q, k, v and out are float32 or bfloat16
+// same data. Nothing at or past seq_lens[b] is read, and with a sliding window (window > 0:
+// query p sees keys p - window + 1 .. p) nothing before the step's first window either, so the
+// pages or blocks behind it may be gone. q, k, v and out are float32 or bfloat16
 // (widened on load, float32 arithmetic, rounded on store: cpu_vec.h).
 //
 // Built by vmkv/kernels/cpu_attention.py with g++ -O3 -march=native -fopenmp into a cached shared
@@ -374,7 +376,7 @@ template <int GROUP, int VECS>
 void dp_attend(bool paged, const bf16* q, int64_t q_stride_b, int64_t q_stride_h, const bf16* k,
                const bf16* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
                const int32_t* table, int64_t table_stride, int64_t block_size, int64_t b,
-               int64_t len, int64_t kvh0, int64_t kvh1, float scale, bf16* out,
+               int64_t lo, int64_t len, int64_t kvh0, int64_t kvh1, float scale, bf16* out,
                int64_t out_stride_b, int64_t out_stride_h) {
   constexpr int64_t dim = 32 * VECS, lanes = 2 * VECS * 16;
   constexpr int CV = dp_chunk_vecs<GROUP, VECS>();
@@ -394,14 +396,14 @@ void dp_attend(bool paged, const bf16* q, int64_t q_stride_b, int64_t q_stride_h
     return paged ? row_of<true>(b, t, starts, table, table_stride, block_size)
                  : row_of<false>(b, t, starts, table, table_stride, block_size);
   };
-  for (int64_t j = 0; j < std::min(kDpBlock, len); ++j) {  // the first block: nothing fetched it
-    const int64_t row = row_at(j);
+  for (int64_t j = 0; j < std::min(kDpBlock, len - lo); ++j) {  // the first block: not fetched
+    const int64_t row = row_at(lo + j);
     for (int64_t h = kvh0; h < kvh1; ++h) {
       prefetch_row(k + row * stride_row + h * stride_head, head_bytes);
       prefetch_row(v + row * stride_row + h * stride_head, head_bytes);
     }
   }
-  for (int64_t t0 = 0; t0 < len; t0 += kDpBlock) {
+  for (int64_t t0 = lo; t0 < len; t0 += kDpBlock) {
     const int64_t n = std::min(kDpBlock, len - t0), vecs_n = (n + kDpTile - 1) / kDpTile;
     for (int64_t j = 0; j < n; ++j) {
       rows[j] = row_at(t0 + j);
@@ -543,7 +545,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
             const int32_t* table, int64_t table_stride, int64_t block_size,
             const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
             float scale, T* out, int64_t out_stride_b, int64_t out_stride_h,
-            const NewRows<T>& fresh) {
+            const NewRows<T>& fresh, int64_t window) {
   const int64_t group = heads / kv_heads;
   const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(T));
   // A task is a request's KV heads [kvh0, kvh0 + span): all of them (each token's K and V rows
@@ -572,6 +574,9 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
     for (int64_t task = 0; task < batch * splits; ++task) {
       const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
       const int64_t len = seq_lens[b];
+      // a sliding window: the query (token len - 1) sees tokens lo .. len - 1 only; nothing
+      // before lo is read (its pages or blocks may be given back)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       if (fresh.k != nullptr && len > 0) {  // store the new token's K/V rows of these heads
         const int64_t row = row_of<PAGED>(b, len - 1, starts, table, table_stride, block_size);
         for (int64_t h = kvh0; h < kvh1; ++h) {
@@ -585,7 +590,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
       if constexpr (std::is_same_v<T, bf16>) {
         if (dp != nullptr) {
           dp(PAGED, q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts, table,
-             table_stride, block_size, b, len, kvh0, kvh1, scale, out, out_stride_b,
+             table_stride, block_size, b, lo, len, kvh0, kvh1, scale, out, out_stride_b,
              out_stride_h);
           continue;
         }
@@ -618,8 +623,8 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
           out_rows[j] = row_of<PAGED>(b, t0 + j, starts, table, table_stride, block_size);
         }
       };
-      rows_of_tile(0, rows.data());
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+      rows_of_tile(lo, rows.data());
+      for (int64_t t0 = lo; t0 < len; t0 += kTile) {
         const int64_t n = len - t0 < kTile ? len - t0 : kTile;
         // the next tile's rows fetched during this tile's arithmetic (a paged tile's blocks are
         // scattered: no hardware prefetcher follows them); the first tile's read in address
@@ -633,7 +638,7 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
             for (int64_t i = 0; i < runs; ++i) next.add(at + i * stride_head);
           }
         }
-        if (t0 == 0) {
+        if (t0 == lo) {
           for (const T* base : {k, v}) {
             for (int64_t j = 0; j < n; ++j) {
               for (int64_t i = 0; i < runs; ++i) {
@@ -669,7 +674,9 @@ void decode(const T* q, int64_t q_stride_b, int64_t q_stride_h, const T* k,
 }
 
 // Prefill chunks: entry b brings q_lens[b] query tokens (rows q_start[b] .. of q and out)
-// after ctx = seq_lens[b] - q_lens[b] cached ones; query i (position ctx + i) sees keys 0 .. ctx + i.
+// after ctx = seq_lens[b] - q_lens[b] cached ones; query i (position ctx + i) sees keys 0 .. ctx + i,
+// or with a sliding window W > 0 only keys ctx + i - W + 1 .. ctx + i: nothing before the
+// entry's first query's window (ctx - W + 1) is read, so its pages or blocks may be gone.
 // One task per (request, tile of kQTile queries, kv head): its group's query heads x queries
 // are the rows of a flash-attention loop over key tiles of kKTile tokens. Scores are outer
 // products (q broadcast, the key tile transposed so its kKTile tokens are contiguous), the
@@ -715,8 +722,12 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
              const int32_t* q_start, const int32_t* q_lens, const int32_t* seq_lens,
              int64_t batch, int64_t heads,
              int64_t kv_heads, int64_t dim, float scale, T* out, int64_t out_stride_t,
-             int64_t out_stride_h) {
+             int64_t out_stride_h, int64_t window) {
   const int64_t group = heads / kv_heads;
+  // entry b's first key any of its queries sees (0 without a window)
+  const auto first_key = [&](int64_t b) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, seq_lens[b] - q_lens[b] - window + 1) : 0;
+  };
   std::vector<int64_t> task_b, task_q0;  // one per (request, query tile)
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t q0 = 0; q0 < q_lens[b]; q0 += kQTile) {
@@ -729,14 +740,21 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
   // request's tokens): each (query tile, head) task of a request reads them all again (it had
   // transposed each itself: ~15 % of the kernel at 640-token prompts). Past kTransposedMax bytes
   // (long cached contexts) each task transposes its tiles itself, as before.
-  std::vector<int64_t> tile0(static_cast<size_t>(batch) + 1, 0);  // request b's first tile
-  for (int64_t b = 0; b < batch; ++b) tile0[b + 1] = tile0[b] + (seq_lens[b] + kKTile - 1) / kKTile;
+  // request b's tiles: key tiles first_key(b) / kKTile .. of its own, from tile0[b] on
+  std::vector<int64_t> tile0(static_cast<size_t>(batch) + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    tile0[b + 1] = tile0[b] + (seq_lens[b] + kKTile - 1) / kKTile - first_key(b) / kKTile;
+  }
   const int64_t tile_floats = dim * kKTile, tiles = tile0[batch] * kv_heads;
   const bool once = tiles * tile_floats * static_cast<int64_t>(sizeof(float)) <= kTransposedMax;
   const std::unique_ptr<float[]> kt_all(once ? new float[tiles * tile_floats] : nullptr);
   const auto transpose = [&](int64_t b, int64_t kvh, int64_t k0, float* kt) {  // kt [dim, kKTile]
     const int64_t nk = std::min(kKTile, seq_lens[b] - k0);
-    for (int64_t j = 0; j < nk; ++j) {
+    const int64_t skip = std::clamp<int64_t>(first_key(b) - k0, 0, nk);  // before the window
+    for (int64_t j = 0; j < skip; ++j) {
+      for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = 0.0f;
+    }
+    for (int64_t j = skip; j < nk; ++j) {
       const int64_t row = row_of<PAGED>(b, k0 + j, starts, table, table_stride, block_size);
       const T* kr = k + row * stride_row + kvh * stride_head;
       for (int64_t d = 0; d < dim; ++d) kt[d * kKTile + j] = to_float(kr[d]);
@@ -752,7 +770,8 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
       for (int64_t job = 0; job < tiles; ++job) {
         const int64_t tile = job / kv_heads;
         const int64_t b = std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin() - 1;
-        transpose(b, job % kv_heads, (tile - tile0[b]) * kKTile, kt_all.get() + job * tile_floats);
+        transpose(b, job % kv_heads, (tile - tile0[b] + first_key(b) / kKTile) * kKTile,
+                  kt_all.get() + job * tile_floats);
       }
     }
     std::vector<float> own(once ? 0 : static_cast<size_t>(tile_floats));  // [dim, tile]
@@ -779,11 +798,15 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
       std::fill(m.begin(), m.begin() + nrows, -INFINITY);
       std::fill(l.begin(), l.begin() + nrows, 0.0f);
       const int64_t kv_end = ctx + q0 + nq;  // the tile's last query sees keys < kv_end
-      for (int64_t k0 = 0; k0 < kv_end; k0 += kKTile) {
+      const int64_t lo_b = first_key(b);   // rows before it are never read (values: aliased)
+      // the tile's first query sees keys from k_lo on (the window's start, or 0)
+      const int64_t k_lo = window > 0 ? std::max<int64_t>(0, ctx + q0 - window + 1) : 0;
+      for (int64_t k0 = k_lo / kKTile * kKTile; k0 < kv_end; k0 += kKTile) {
         const int64_t nk = std::min(kKTile, kv_end - k0);
         const float* kt = own.data();
         if (once) {
-          kt = kt_all.get() + ((tile0[b] + k0 / kKTile) * kv_heads + kvh) * tile_floats;
+          const int64_t tile = tile0[b] + k0 / kKTile - lo_b / kKTile;
+          kt = kt_all.get() + (tile * kv_heads + kvh) * tile_floats;
         } else {
           transpose(b, kvh, k0, own.data());
         }
@@ -805,12 +828,23 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
             for (int64_t j = 0; j < kKTile; ++j) sr[j] += qd * kd[j];
           }
 #endif
-          const int64_t visible = std::min(nk, ctx + q0 + r / group + 1 - k0);  // causal
-          softmax_tile_row(sr, visible, m[r], l[r], acc.data() + r * dim, dim);
+          const int64_t pos = ctx + q0 + r / group;  // the query's position
+          const int64_t visible = std::min(nk, pos + 1 - k0);  // causal
+          // a window's first visible key in this tile: the scores before it are masked out
+          const int64_t hidden = window > 0 ? std::max<int64_t>(0, pos - window + 1 - k0) : 0;
+          if (hidden == 0) {
+            softmax_tile_row(sr, visible, m[r], l[r], acc.data() + r * dim, dim);
+          } else if (hidden >= visible) {  // none of this tile: p zero, m and l unchanged
+            softmax_tile_row(sr, 0, m[r], l[r], acc.data() + r * dim, dim);
+          } else {
+            std::fill(sr, sr + hidden, -INFINITY);
+            softmax_tile_row(sr, visible, m[r], l[r], acc.data() + r * dim, dim);
+            std::fill(sr, sr + hidden, 0.0f);
+          }
         }
-        for (int64_t j = 0; j < nk; ++j) {
-          vrow[j] = v + row_of<PAGED>(b, k0 + j, starts, table, table_stride, block_size) *
-                            stride_row + kvh * stride_head;
+        for (int64_t j = 0; j < nk; ++j) {  // rows before lo_b: lo_b's (p is 0 there)
+          vrow[j] = v + row_of<PAGED>(b, std::max(k0 + j, lo_b), starts, table, table_stride,
+                                      block_size) * stride_row + kvh * stride_head;
         }
         tile_values(s.data(), nrows, dim, vrow.data(), nk, acc.data());  // acc += P V
       }
@@ -835,7 +869,8 @@ int decode_entry(const void* q, int64_t q_stride_b, int64_t q_stride_h, const vo
                  const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                  int64_t dim, float scale, void* out, int64_t out_stride_b, int64_t out_stride_h,
                  const void* k_new, int64_t k_new_stride_b, int64_t k_new_stride_h,
-                 const void* v_new, int64_t v_new_stride_b, int64_t v_new_stride_h) {
+                 const void* v_new, int64_t v_new_stride_b, int64_t v_new_stride_h,
+                 int64_t window) {
   const NewRows<T> fresh{static_cast<const T*>(k_new), k_new_stride_b, k_new_stride_h,
                          static_cast<const T*>(v_new), v_new_stride_b, v_new_stride_h};
   const auto* qt = static_cast<const T*>(q);
@@ -845,12 +880,12 @@ int decode_entry(const void* q, int64_t q_stride_b, int64_t q_stride_h, const vo
     if (block_size <= 0) return 1;
     decode<T, true>(qt, q_stride_b, q_stride_h, kt, vt, stride_row, stride_head, nullptr, table,
                     table_stride, block_size, seq_lens, batch, heads, kv_heads, dim, scale, ot,
-                    out_stride_b, out_stride_h, fresh);
+                    out_stride_b, out_stride_h, fresh, window);
   } else {
     if (starts == nullptr) return 1;
     decode<T, false>(qt, q_stride_b, q_stride_h, kt, vt, stride_row, stride_head, starts,
                      nullptr, 0, 1, seq_lens, batch, heads, kv_heads, dim, scale, ot,
-                     out_stride_b, out_stride_h, fresh);
+                     out_stride_b, out_stride_h, fresh, window);
   }
   return 0;
 }
@@ -861,7 +896,7 @@ int prefill_entry(const void* q, int64_t q_stride_t, int64_t q_stride_h, const v
                   const int32_t* table, int64_t table_stride, int64_t block_size,
                   const int32_t* q_start, const int32_t* q_lens, const int32_t* seq_lens,
                   int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                  void* out, int64_t out_stride_t, int64_t out_stride_h) {
+                  void* out, int64_t out_stride_t, int64_t out_stride_h, int64_t window) {
   const auto* qt = static_cast<const T*>(q);
   const auto *kt = static_cast<const T*>(k), *vt = static_cast<const T*>(v);
   auto* ot = static_cast<T*>(out);
@@ -869,12 +904,12 @@ int prefill_entry(const void* q, int64_t q_stride_t, int64_t q_stride_h, const v
     if (block_size <= 0) return 1;
     prefill<T, true>(qt, q_stride_t, q_stride_h, kt, vt, stride_row, stride_head, nullptr,
                      table, table_stride, block_size, q_start, q_lens, seq_lens, batch, heads,
-                     kv_heads, dim, scale, ot, out_stride_t, out_stride_h);
+                     kv_heads, dim, scale, ot, out_stride_t, out_stride_h, window);
   } else {
     if (starts == nullptr) return 1;
     prefill<T, false>(qt, q_stride_t, q_stride_h, kt, vt, stride_row, stride_head, starts,
                       nullptr, 0, 1, q_start, q_lens, seq_lens, batch, heads, kv_heads, dim,
-                      scale, ot, out_stride_t, out_stride_h);
+                      scale, ot, out_stride_t, out_stride_h, window);
   }
   return 0;
 }
@@ -886,7 +921,8 @@ extern "C" {
 // Returns 0 on success, 1 on bad arguments. dtype: 0 float32, 2 bfloat16 (q, k, v, out and the
 // new rows alike; float32 arithmetic either way). With k_new (and v_new) given, entry b's new
 // K/V rows k_new[b], v_new[b] ([batch, kv_heads, dim] at the given strides) are first stored at
-// its token seq_lens[b] - 1; the cache k, v is then written, not only read.
+// its token seq_lens[b] - 1; the cache k, v is then written, not only read. window > 0: a
+// sliding window, entry b attends to its last `window` tokens only (0: all of them).
 int vmkv_cpu_decode_attention(int dtype, const void* q, int64_t q_stride_b, int64_t q_stride_h,
                               const void* k, const void* v, int64_t stride_row,
                               int64_t stride_head, const int64_t* starts, const int32_t* table,
@@ -895,28 +931,28 @@ int vmkv_cpu_decode_attention(int dtype, const void* q, int64_t q_stride_b, int6
                               float scale, void* out, int64_t out_stride_b,
                               int64_t out_stride_h, const void* k_new, int64_t k_new_stride_b,
                               int64_t k_new_stride_h, const void* v_new,
-                              int64_t v_new_stride_b, int64_t v_new_stride_h) {
-  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0) return 1;
+                              int64_t v_new_stride_b, int64_t v_new_stride_h, int64_t window) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0 || window < 0) return 1;
   if ((k_new == nullptr) != (v_new == nullptr)) return 1;
   if (dtype == kFloat32) {
     return decode_entry<float>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
                                table, table_stride, block_size, seq_lens, batch, heads,
                                kv_heads, dim, scale, out, out_stride_b, out_stride_h, k_new,
                                k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
-                               v_new_stride_h);
+                               v_new_stride_h, window);
   }
   if (dtype == kBFloat16) {
     return decode_entry<bf16>(q, q_stride_b, q_stride_h, k, v, stride_row, stride_head, starts,
                               table, table_stride, block_size, seq_lens, batch, heads, kv_heads,
                               dim, scale, out, out_stride_b, out_stride_h, k_new,
                               k_new_stride_b, k_new_stride_h, v_new, v_new_stride_b,
-                              v_new_stride_h);
+                              v_new_stride_h, window);
   }
   return 1;
 }
 
-// Prefill chunks (see prefill above), dtype as for decode; returns 0 on success, 1 on bad
-// arguments.
+// Prefill chunks (see prefill above), dtype and window as for decode; returns 0 on success, 1
+// on bad arguments.
 int vmkv_cpu_prefill_attention(int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h,
                                const void* k, const void* v, int64_t stride_row,
                                int64_t stride_head, const int64_t* starts, const int32_t* table,
@@ -924,8 +960,8 @@ int vmkv_cpu_prefill_attention(int dtype, const void* q, int64_t q_stride_t, int
                                const int32_t* q_start, const int32_t* q_lens,
                                const int32_t* seq_lens, int64_t batch, int64_t heads,
                                int64_t kv_heads, int64_t dim, float scale, void* out,
-                               int64_t out_stride_t, int64_t out_stride_h) {
-  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0) return 1;
+                               int64_t out_stride_t, int64_t out_stride_h, int64_t window) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0 || window < 0) return 1;
   for (int64_t b = 0; b < batch; ++b) {
     if (q_start[b] < 0 || q_lens[b] < 0 || seq_lens[b] < q_lens[b]) return 1;
   }
@@ -933,13 +969,13 @@ int vmkv_cpu_prefill_attention(int dtype, const void* q, int64_t q_stride_t, int
     return prefill_entry<float>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, starts,
                                 table, table_stride, block_size, q_start, q_lens, seq_lens,
                                 batch, heads, kv_heads, dim, scale, out, out_stride_t,
-                                out_stride_h);
+                                out_stride_h, window);
   }
   if (dtype == kBFloat16) {
     return prefill_entry<bf16>(q, q_stride_t, q_stride_h, k, v, stride_row, stride_head, starts,
                                table, table_stride, block_size, q_start, q_lens, seq_lens,
                                batch, heads, kv_heads, dim, scale, out, out_stride_t,
-                               out_stride_h);
+                               out_stride_h, window);
   }
   return 1;
 }

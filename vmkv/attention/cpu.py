@@ -47,6 +47,8 @@ class CpuAttentionBackend(AttentionBackend):
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
         self.batched_decode = self.batched_prefill = cpu_batches.use_kernels(kv.spec.dtype)
+        #: each layer's sliding window in tokens (0: full attention), applied by every path
+        self.windows = kv.spec.windows
 
     def close(self) -> None:
         self._flat = []
@@ -81,7 +83,8 @@ class CpuAttentionBackend(AttentionBackend):
             return super().forward(layer, q, k, v, meta, scale)
         k_flat, v_flat = self._flat[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
-        cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v))
+        cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v),
+                               window=self.windows[layer])
         return out
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -94,12 +97,13 @@ class CpuAttentionBackend(AttentionBackend):
                ) -> torch.Tensor:
         assert isinstance(meta, CpuStepMetadata)
         k_flat, v_flat = self._flat[layer]
+        window = self.windows[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         if meta.decode is not None:
-            cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale)
+            cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, window=window)
         if meta.prefill is not None:
-            cpu_batches.run_prefill(meta.prefill, q, k_flat, v_flat, out, scale)
+            cpu_batches.run_prefill(meta.prefill, q, k_flat, v_flat, out, scale, window)
         if any(rows is not None for rows in meta.seq_rows):
             attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens,
-                        meta.seq_rows, scale)
+                        meta.seq_rows, scale, window)
         return out

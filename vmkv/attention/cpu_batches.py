@@ -96,29 +96,37 @@ def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[in
 
 def run_decode(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                out: torch.Tensor, scale: float,
-               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0
+               ) -> None:
     """Attend every decode of ``batch`` and write its rows of ``out [T, heads*D]``; with
     ``new_kv = (k, v) [T, kv_heads, D]`` (every row decodes) the kernel stores those rows in
-    the cache first."""
+    the cache first. ``window``: the layer's sliding window (0: none)."""
     r = batch.rows
     if batch.query_rows is None:
         cpu_attention.decode(q, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
                              block_table=r.block_table, block_size=r.block_size,
-                             new_kv=new_kv, out=out)
+                             new_kv=new_kv, out=out, window=window)
         return
     if new_kv is not None:
         raise ValueError("the decode kernel stores new K/V only when every row decodes")
     res = cpu_attention.decode(q.index_select(0, batch.query_rows), k_flat, v_flat,
                                batch.seq_lens, scale, starts=r.starts,
-                               block_table=r.block_table, block_size=r.block_size)
+                               block_table=r.block_table, block_size=r.block_size,
+                               window=window)
     out.index_copy_(0, batch.query_rows, res)
 
 
 def run_prefill(batch: PrefillBatch, q: torch.Tensor, k_flat: torch.Tensor,
-                v_flat: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-    """Attend every chunk of ``batch``, writing its rows of ``out [T, heads*D]`` in place."""
+                v_flat: torch.Tensor, out: torch.Tensor, scale: float, window: int = 0) -> None:
+    """Attend every chunk of ``batch``, writing its rows of ``out [T, heads*D]`` in place;
+    ``window``: the layer's sliding window (0: none; the AMX kernel has none, so a window's
+    chunks go to the vector kernel)."""
     r = batch.rows
-    amx = use_amx_prefill(q.dtype, q.shape[-1])
-    kernel = amx_prefill.prefill if amx else cpu_attention.prefill
-    kernel(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens, scale, out,
-           starts=r.starts, block_table=r.block_table, block_size=r.block_size)
+    if not window and use_amx_prefill(q.dtype, q.shape[-1]):
+        amx_prefill.prefill(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens,
+                            scale, out, starts=r.starts, block_table=r.block_table,
+                            block_size=r.block_size)
+        return
+    cpu_attention.prefill(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens, scale,
+                          out, starts=r.starts, block_table=r.block_table,
+                          block_size=r.block_size, window=window)

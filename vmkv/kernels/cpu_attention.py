@@ -40,8 +40,10 @@ _ARGTYPES = [
 ]
 
 
-_PREFILL_ARGTYPES = _ARGTYPES[:12] + [_PTR, _PTR] + _ARGTYPES[12:]  # + q starts, q lens
-_DECODE_ARGTYPES = _ARGTYPES + [_PTR, _I64, _I64, _PTR, _I64, _I64]  # + new k, v and strides
+# + q starts, q lens; + the sliding window
+_PREFILL_ARGTYPES = _ARGTYPES[:12] + [_PTR, _PTR] + _ARGTYPES[12:] + [_I64]
+# + new k, v and strides; + the sliding window
+_DECODE_ARGTYPES = _ARGTYPES + [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64]
 
 
 @functools.cache
@@ -96,12 +98,14 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
            scale: float, *, starts: torch.Tensor | None = None,
            block_table: torch.Tensor | None = None, block_size: int = 0,
            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Decode attention of ``q [B, heads, D]`` over flat cache rows ``[rows, kv_heads, D]``.
 
     Exactly one of ``starts`` (int64 ``[B]``: first row of each request's contiguous run) or
     ``block_table`` (int32 ``[B, max_blocks]`` with ``block_size``) addresses the rows; request
-    ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else. With
+    ``b`` reads rows of tokens ``0 .. seq_lens[b]-1`` (int32) and nothing else, or with a
+    sliding ``window`` > 0 only its last ``window`` tokens (the rows before them may be
+    unmapped pages or freed blocks). With
     ``new_kv = (k, v)`` (each ``[B, kv_heads, D]``, unit stride in D) the kernel first stores
     request ``b``'s new rows ``k[b], v[b]`` at its token ``seq_lens[b] - 1`` (the write and the
     attention in one pass). Returns ``[B, heads * D]`` float32: ``out`` when given (that shape,
@@ -134,6 +138,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         *((k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
           if k_new is not None and v_new is not None else (None, 0, 0, None, 0, 0)),
+        _window(window),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "
@@ -144,14 +149,15 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
 def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start: torch.Tensor,
             q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
             starts: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-            block_size: int = 0) -> None:
+            block_size: int = 0, window: int = 0) -> None:
     """Causal attention of prefill chunks, written into ``out``.
 
     Entry ``b`` owns rows ``q_start[b] .. + q_lens[b]`` of ``q [T, heads, D]`` and of
     ``out [T, heads * D]`` (other rows are left alone), and has ``seq_lens[b]`` tokens cached
     including those new ones (all int32 ``[B]``); its query ``i`` sees its tokens ``0 ..
-    seq_lens[b] - q_lens[b] + i``, addressed by ``starts`` or ``block_table`` as in
-    :func:`decode`. Nothing else is read.
+    seq_lens[b] - q_lens[b] + i`` (with a sliding ``window`` > 0 only the last ``window`` of
+    them: position ``p`` sees ``p - window + 1 .. p``), addressed by ``starts`` or
+    ``block_table`` as in :func:`decode`. Nothing else is read.
     """
     lib, starts, block_table, table_stride = _checked("prefill", q, k_rows, v_rows, starts,
                                                       block_table)
@@ -167,8 +173,16 @@ def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
         q_start.data_ptr(), q_lens.data_ptr(), lens.data_ptr(), len(lens), heads,
-        k_rows.shape[1], dim, float(scale), out.data_ptr(), out.stride(0), dim,
+        k_rows.shape[1], dim, float(scale), out.data_ptr(), out.stride(0), dim, _window(window),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU prefill kernel: q {tuple(q.shape)}, "
                          f"k {tuple(k_rows.shape)}, block_size {block_size}")
+
+
+def _window(window: int | None) -> int:
+    """A sliding window as the kernels take it: tokens (> 0), or 0 for none."""
+    window = int(window or 0)
+    if window < 0:
+        raise ValueError(f"a sliding window must be positive (0: none), got {window}")
+    return window

@@ -68,6 +68,16 @@ class KVSpec:
         """The layer groups, never empty."""
         return self.layer_groups or (LayerGroup(tuple(range(self.num_layers))),)
 
+    @cached_property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens, 0 for full attention (what attention
+        kernels take)."""
+        out = [0] * self.num_layers
+        for group in self.groups:
+            for layer in group.layers:
+                out[layer] = group.sliding_window or 0
+        return tuple(out)
+
     def require_one_group(self) -> None:
         """Raise ValueError unless every layer is in one full-attention group (what the KV
         managers support today)."""
