@@ -59,9 +59,10 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     for a ``chat_template`` or ``generation_config`` that cannot be read."""
     if config.served_model_name is None:
         config = replace(config, served_model_name=(served_name(engine.front.config.model),))
-    metrics = Metrics(config.served_model_name[0])
-    lifecycle = Lifecycle(engine, metrics)
     front = engine.front
+    metrics = Metrics(config.served_model_name[0], front.config, front.max_model_len,
+                      front.config.data_parallel_size)
+    lifecycle = Lifecycle(engine, metrics)
     limits = InputLimits.for_model(front.tokenizer, front.max_model_len, front.vocab_size)
     workers = Workers(front.tokenizer, limits,
                       max_pending=config.max_waiting_requests or MAX_PENDING)
@@ -85,6 +86,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
         app.add_middleware(ApiKey, key=config.api_key)
     app.add_middleware(EchoRequestId)
     add_cors(app, config.allowed_origins)
+    metrics.instrument(app)  # outermost: every answer counts, refusals included
     _add_routes(app, session, AdminHandler(engine, config, metrics, lifecycle))
     app.state.metrics = metrics
     app.state.lifecycle = lifecycle

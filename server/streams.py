@@ -21,8 +21,8 @@ from vmkv.server.metrics import Metrics
 class StreamMerger:
     """Merges the engine streams of one HTTP request at a time: ``merged`` yields their deltas
     (tagged with the stream's index), ``collect`` adds them up into final outputs. Either way
-    every stream is aborted when the consumer stops early, and each delta is counted in the
-    time-to-first-token, inter-token and end-to-end histograms."""
+    every stream is aborted when the consumer stops early, and each delta is observed by the
+    request histograms (server/metrics.py)."""
 
     def __init__(self, engine: ServingEngine, metrics: Metrics,
                  request_timeout: float | None) -> None:
@@ -32,14 +32,14 @@ class StreamMerger:
 
     async def merged(self, streams: list[Stream], started: float
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Deltas of several streams as they come, with latency metrics observed; an output
+        """Deltas of several streams as they come, observed by the request metrics; an output
         whose KV memory was refused raises APIError 503.
 
         Bounded: a consumer that stops (a client that stops reading) leaves at most one delta
         per stream here; the streams merge what comes meanwhile (vmkv/engine/async_engine.py).
         """
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-        last: dict[int, tuple[float | None, int]] = {}
+        observer = self.metrics.observer(streams, started)
 
         async def pump(i: int, stream: Stream) -> None:
             try:
@@ -58,7 +58,7 @@ class StreamMerger:
                     raise item
                 if item.error is not None:  # its KV memory was refused: the request failed
                     raise APIError(503, item.error)
-                self._observe(i, item, started, last)
+                observer.observe(i, item)
                 if item.finished:
                     remaining -= 1
                 yield i, item
@@ -110,21 +110,3 @@ class StreamMerger:
         loop = asyncio.get_running_loop()
         return loop.call_later(max(0.0, started + timeout - time.monotonic()),
                                lambda: asyncio.ensure_future(expire()))
-
-    def _observe(self, i: int, out: RequestOutput, started: float,
-                 last: dict[int, tuple[float | None, int]]) -> None:
-        """Latency metrics for stream ``i``'s delta ``out`` (``last``: per stream, when its
-        previous tokens came and how many it has had)."""
-        now = time.monotonic()
-        prev_time, prev_tokens = last.get(i, (None, 0))
-        tokens = prev_tokens + sum(len(c.token_ids) for c in out.outputs)
-        if prev_time is None and tokens:
-            self.metrics.ttft.observe(now - started)
-        elif prev_time is not None and tokens > prev_tokens:
-            gap = (now - prev_time) / (tokens - prev_tokens)
-            for _ in range(tokens - prev_tokens):
-                self.metrics.itl.observe(gap)
-        if tokens:
-            last[i] = (now, tokens)
-        if out.finished:
-            self.metrics.e2e.observe(now - started)

@@ -94,7 +94,7 @@ def wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if m["vmkv:num_requests_running"] == 0 and m["vmkv:num_requests_waiting"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
             return m
         assert time.monotonic() < deadline, "requests still running"
         time.sleep(0.1)
@@ -191,8 +191,8 @@ def test_prefix_cache_hits_show_in_usage_and_salts_isolate(srv: Running,
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # another tenant
     assert again.choices[0].message.content == first.choices[0].message.content
     m = metrics(srv.url)
-    assert m["vmkv:prefix_cache_hits_total"] > 0
-    assert m["vmkv:prefix_cache_queries_total"] > m["vmkv:prefix_cache_hits_total"]
+    assert m["vllm:prefix_cache_hits_total"] > 0
+    assert m["vllm:prefix_cache_queries_total"] > m["vllm:prefix_cache_hits_total"]
     reset = httpx.post(f"{srv.url}/reset_prefix_cache")
     assert reset.status_code == 200 and reset.json()["dropped_units"] > 0
     cold = client.chat.completions.create(**kw, extra_body={"cache_salt": "t1"})
@@ -233,22 +233,22 @@ def test_concurrent_streams_with_disconnects_free_their_pages(srv: Running) -> N
     assert results[:8] == [-1] * 8 and all(r > 3 for r in results[8:])
     after = wait_idle(srv.url)
     assert after["vmkv:kv_physical_bytes_in_use"] == 0
-    assert after["vmkv:request_success_total{abort}"] - before.get(
-        "vmkv:request_success_total{abort}", 0) == 8
-    assert after["vmkv:generation_tokens_total"] > before["vmkv:generation_tokens_total"]
-    assert after["vmkv:time_to_first_token_seconds_count"] > before.get(
-        "vmkv:time_to_first_token_seconds_count", 0)
+    assert after["vllm:request_success_total{abort}"] - before.get(
+        "vllm:request_success_total{abort}", 0) == 8
+    assert after["vllm:generation_tokens_total"] > before["vllm:generation_tokens_total"]
+    assert after["vllm:time_to_first_token_seconds_count"] > before.get(
+        "vllm:time_to_first_token_seconds_count", 0)
     assert after["vmkv:kv_map_calls_total"] > 0  # the virtual mode mapped pages
 
 
 def test_non_streaming_client_disconnect_aborts(srv: Running) -> None:
     wait_idle(srv.url)
-    before = metrics(srv.url).get("vmkv:request_success_total{abort}", 0)
+    before = metrics(srv.url).get("vllm:request_success_total{abort}", 0)
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{srv.url}/v1/completions", json=body, timeout=0.5)
     after = wait_idle(srv.url)
-    assert after["vmkv:request_success_total{abort}"] == before + 1
+    assert after["vllm:request_success_total{abort}"] == before + 1
     assert after["vmkv:kv_physical_bytes_in_use"] == 0
 
 
@@ -312,12 +312,12 @@ def test_metrics_parse_and_count(srv: Running, client: openai.OpenAI) -> None:
     before = wait_idle(srv.url)
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
     after = wait_idle(srv.url)
-    assert after["vmkv:generation_tokens_total"] == before["vmkv:generation_tokens_total"] + 5
-    assert after["vmkv:prompt_tokens_total"] > before["vmkv:prompt_tokens_total"]
-    assert after["vmkv:e2e_request_latency_seconds_count"] == (
-        before["vmkv:e2e_request_latency_seconds_count"] + 1)
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 5
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:e2e_request_latency_seconds_count"] == (
+        before["vllm:e2e_request_latency_seconds_count"] + 1)
     assert after["vmkv:kv_virtual_reserved_bytes"] > 0 and after["vmkv:kv_capacity_bytes"] > 0
-    assert 0 <= after["vmkv:kv_cache_usage_perc"] <= 1
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
 
 
 def test_health_reports_a_dead_engine() -> None:

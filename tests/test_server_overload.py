@@ -305,8 +305,8 @@ def test_soak_with_disconnects_and_preemption_leaks_nothing(soak: Running) -> No
             assert status == 200, events
             if b["stream"]:
                 assert events[-1] == "[DONE]"
-    assert m["vmkv:num_preemptions_total"] > 0  # the memory was tight enough to preempt
-    assert m["vmkv:kv_physical_bytes_in_use"] == 0 and m["vmkv:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_preemptions_total"] > 0  # the memory was tight enough to preempt
+    assert m["vmkv:kv_physical_bytes_in_use"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     on_engine(soak, lambda e: e.kv.accounting.check())
     assert on_engine(soak, lambda e: (len(e.requests), e.scheduler.has_work())) == (0, False)
     assert threading.active_count() == threads  # no thread, no process left behind

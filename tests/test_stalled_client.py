@@ -85,14 +85,14 @@ def test_a_stalled_stream_costs_little_memory_and_is_aborted_when_its_client_goe
         before = heap_bytes(srv.proc.pid)
         # ... then the client stops reading while the engine writes on
         stalled = wait_for(url, f"{STALLED_TOKENS} tokens per sample", lambda m: m[
-            "vmkv:generation_tokens_total"] >= N * STALLED_TOKENS)
+            "vllm:generation_tokens_total"] >= N * STALLED_TOKENS)
         grown = heap_bytes(srv.proc.pid) - before
         # the server could write no more: otherwise the heap had nothing to hold
         assert send_queue_bytes(srv.port) >= FULL_SEND_QUEUE
         stream.close()  # the client goes
-        after = wait_for(url, "the request ended", lambda m: m["vmkv:num_requests_running"] == 0)
-        assert after["vmkv:request_success_total{abort}"] == N  # every sample aborted ...
-        assert after["vmkv:generation_tokens_total"] < N * MAX_TOKENS  # ... before its end
+        after = wait_for(url, "the request ended", lambda m: m["vllm:num_requests_running"] == 0)
+        assert after["vllm:request_success_total{abort}"] == N  # every sample aborted ...
+        assert after["vllm:generation_tokens_total"] < N * MAX_TOKENS  # ... before its end
         assert after["vmkv:kv_physical_bytes_in_use"] == 0
-        assert stalled["vmkv:num_requests_running"] == N
+        assert stalled["vllm:num_requests_running"] == N
         assert grown < MAX_GROWTH, f"the server's heap grew {grown / 2**20:.0f} MiB"

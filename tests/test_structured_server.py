@@ -53,7 +53,7 @@ def test_50_requests_over_10_schemas_all_validate(tight: Running) -> None:
             assert choice.finish_reason == "stop", choice.message.content
             jsonschema.validate(json.loads(choice.message.content), schema)
     after = wait_idle(tight.url)
-    assert after["vmkv:num_preemptions_total"] > 0
+    assert after["vllm:num_preemptions_total"] > 0
     assert after["vmkv:kv_physical_bytes_in_use"] == 0
 
     def check(engine: LLMEngine) -> None:
@@ -129,4 +129,4 @@ def test_bad_constraints_are_400s_and_the_server_stays_up(tight: Running, body: 
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
     assert httpx.get(f"{tight.url}/health").status_code == 200
-    assert metrics(tight.url)["vmkv:num_requests_waiting"] == 0
+    assert metrics(tight.url)["vllm:num_requests_waiting"] == 0

@@ -25,9 +25,9 @@ METRICS = {
     "allocated": "vmkv:kv_pool_allocated_bytes",
     "cached": "vmkv:kv_prefix_cached_bytes",
     "token_bytes": "vmkv:kv_token_bytes",
-    "running": "vmkv:num_requests_running",
-    "waiting": "vmkv:num_requests_waiting",
-    "preemptions": "vmkv:num_preemptions_total",
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "preemptions": "vllm:num_preemptions_total",
 }
 
 

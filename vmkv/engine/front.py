@@ -90,9 +90,13 @@ class ReplicaGrammars:
 
 
 class Stream(Protocol):
-    """One submitted request: async-iterates its cumulative outputs; ``abort()`` stops it."""
+    """One submitted request: async-iterates its cumulative outputs; ``abort()`` stops it.
+    ``params``: what it was submitted with; ``engine_index``: the replica that runs it (0
+    with one engine)."""
 
     request_id: str
+    params: SamplingParams
+    engine_index: int
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 

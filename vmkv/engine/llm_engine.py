@@ -10,6 +10,7 @@ Not thread-safe: :class:`~vmkv.engine.async_engine.AsyncEngine` runs it on its o
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import weakref
@@ -38,6 +39,8 @@ logger = logging.getLogger("vmkv")
 
 #: tokens ahead of every running request the background mapper maps (virtual mode, CUDA)
 PREMAP_LOOKAHEAD_TOKENS = 16
+#: upper bounds of the tokens-per-step buckets (vLLM's ``iteration_tokens_total``)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -48,9 +51,19 @@ class EngineCounters:
     generation_tokens: int = 0
     finished: dict[str, int] | None = None
     steps: int = 0
+    # tokens per step: counts per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all)
+    step_tokens: list[int] | None = None
+    step_tokens_sum: int = 0
 
     def __post_init__(self) -> None:
         self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.step_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+
+    def count_step(self, num_tokens: int) -> None:
+        """A step that ran ``num_tokens`` tokens (vLLM's ``iteration_tokens_total``)."""
+        self.steps += 1
+        self.step_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.step_tokens_sum += num_tokens
 
 
 @dataclass
@@ -236,13 +249,13 @@ class LLMEngine:
         if out.failed:  # a failed request's other samples may be scheduled: they must not run
             out.drop_finished()
         if out.scheduled:
-            self.counters.steps += 1
             now = time.monotonic()
             for seq in out.scheduled:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
             plan, owners = plan_step(out)
             stats.num_seqs, stats.num_tokens = len(out.scheduled), plan.num_tokens
+            self.counters.count_step(plan.num_tokens)
             t = time.perf_counter_ns()
             logits, prompt_hidden = self.executor.execute(plan)
             stats.execute_ns = time.perf_counter_ns() - t

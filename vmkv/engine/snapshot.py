@@ -33,6 +33,8 @@ class Snapshot:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_enabled: bool = False
+    step_tokens: list[int] = field(default_factory=list)  # per bucket (EngineCounters)
+    step_tokens_sum: int = 0
     taken_at: float = field(default_factory=time.monotonic)
 
 
@@ -55,6 +57,8 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         prefix_queries=prefix.queries,
         prefix_hits=prefix.hits,
         prefix_enabled=prefix.enabled,
+        step_tokens=list(engine.counters.step_tokens),
+        step_tokens_sum=engine.counters.step_tokens_sum,
     )
 
 
@@ -83,10 +87,12 @@ def combine(snapshots: list[Snapshot]) -> Snapshot:
             into = ops.setdefault(op, {})
             for k, v in stats.items():
                 into[k] = max(into.get(k, 0), v) if k in _PERCENTILES else into.get(k, 0) + v
-    total = Snapshot(usage=usage, finished=finished, memory_ops=ops,
+    steps = [sum(c) for c in zip(*(s.step_tokens for s in snapshots), strict=True)]
+    total = Snapshot(usage=usage, finished=finished, memory_ops=ops, step_tokens=steps,
                      prefix_enabled=any(s.prefix_enabled for s in snapshots),
                      taken_at=min((s.taken_at for s in snapshots), default=time.monotonic()))
     for name in ("running", "waiting", "prompt_tokens", "generation_tokens", "preemptions",
-                 "recomputed_tokens", "swapped_tokens", "prefix_queries", "prefix_hits"):
+                 "recomputed_tokens", "swapped_tokens", "prefix_queries", "prefix_hits",
+                 "step_tokens_sum"):
         setattr(total, name, sum(getattr(s, name) for s in snapshots))
     return total
