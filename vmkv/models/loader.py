@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
+from vmkv.models.gemma3 import Gemma3Model
 from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
 from vmkv.models.sharding import shard_config, shard_state
@@ -139,8 +140,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
         tensors.update((name, t.to(device=device, dtype=dtype))
                        for name, t in load_file(file).items())
     rank, size = tensor_parallel
-    model = LlamaModel(shard_config(cfg, rank, size), dtype=dtype, device="meta",
-                       rope_device=device)
+    model_class = Gemma3Model if cfg.architecture == "Gemma3ForCausalLM" else LlamaModel
+    model = model_class(shard_config(cfg, rank, size), dtype=dtype, device="meta",
+                        rope_device=device)
     model.load_weights(shard_state(hf_to_vmkv(tensors), cfg, rank, size))
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,

@@ -96,7 +96,6 @@ class PagedKVCache(KVCacheManager):
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        spec.require_one_group()
         self.spec = spec
         self.device = torch.device(device)
         pool = BlockPool(num_blocks)

@@ -137,7 +137,6 @@ class VirtualKVCache(KVCacheManager):
         """
         if premap_pages < 0:
             raise ValueError(f"premap_pages must be >= 0, got {premap_pages}")
-        spec.require_one_group()
         self.spec = spec
         self.device = pool.backend.device
         state = VirtualState(pool, VirtualLayout(layout, spec, pool.page_size, max_model_len),
