@@ -1,4 +1,4 @@
-"""The routes that generate nothing: ``GET /health``, ``/version``, ``/v1/models``,
+"""The routes that generate nothing: ``GET /health`` (``/ping``), ``/version``, ``/v1/models``,
 ``/metrics``, and the development route ``POST /reset_prefix_cache`` (served only with
 ``ServerConfig.dev_mode``, as vLLM's with ``VLLM_SERVER_DEV_MODE=1``)."""
 
@@ -31,11 +31,11 @@ class AdminHandler:
     """Health, version, the model list, Prometheus metrics and the development routes.
 
     Its methods are the routes (their docstrings would become OpenAPI descriptions, so they
-    have none): ``health`` 200 while the engine lives, 503 once it died or (+ Retry-After)
-    while draining; ``models`` one entry per served name, whose ``root`` is the model's name,
-    never a local path; ``metrics_endpoint`` the Prometheus text with the engine's numbers
-    refreshed (server/metrics.py); ``reset_prefix_cache`` forgets every cached prefix unit in
-    every replica (running requests keep their KV).
+    have none): ``health`` (and SageMaker's ``ping``) 200 while the engine lives, 503 once it
+    died or (+ Retry-After) while draining; ``models`` one entry per served name, whose
+    ``root`` is the model's name, never a local path; ``metrics_endpoint`` the Prometheus text
+    with the engine's numbers refreshed (server/metrics.py); ``reset_prefix_cache`` forgets
+    every cached prefix unit in every replica (running requests keep their KV).
     """
 
     def __init__(self, engine: ServingEngine, config: ServerConfig, metrics: Metrics,
@@ -57,6 +57,9 @@ class AdminHandler:
             return error_response(503, "draining: the server is shutting down",
                                   headers=RETRY_AFTER)
         return JSONResponse(self.health_body)
+
+    async def ping(self) -> Response:
+        return await self.health()
 
     async def version(self) -> dict:
         return {"version": vmkv.__version__}

@@ -9,9 +9,10 @@ One handler per endpoint family serves the routes, all over one shared
     POST /v1/chat/completions            ChatHandler          server/chat.py
     POST /v1/responses                   ResponsesHandler     server/responses_api.py
     POST /tokenize, /detokenize          TokenizeHandler      server/tokenization.py
-    GET /health, /version, /v1/models,   AdminHandler         server/admin.py
-        /metrics; with ``dev_mode``
-        POST /reset_prefix_cache
+    GET /health, /ping, /version,        AdminHandler         server/admin.py
+        /v1/models, /metrics; with
+        ``dev_mode`` POST /reset_prefix_cache
+    POST /invocations (SageMaker's)      InvocationsHandler   server/invocations.py
 
 Every request is tokenised off the event loop (server/workers.py); the engine thread only
 schedules and runs steps. A client that disconnects has its requests aborted (KV freed) at
@@ -36,6 +37,7 @@ from vmkv.server.chat import ChatHandler
 from vmkv.server.completions import CompletionsHandler
 from vmkv.server.errors import install_error_handlers
 from vmkv.server.http_options import BodyLimit, EchoRequestId, add_cors
+from vmkv.server.invocations import InvocationsHandler
 from vmkv.server.limits import InputLimits
 from vmkv.server.metrics import Metrics
 from vmkv.server.protocol import (
@@ -83,7 +85,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(Admission, lifecycle=lifecycle)
     if config.api_key:
-        app.add_middleware(ApiKey, key=config.api_key)
+        app.add_middleware(ApiKey, keys=config.api_key)
     app.add_middleware(EchoRequestId)
     add_cors(app, config.allowed_origins)
     metrics.instrument(app)  # outermost: every answer counts, refusals included
@@ -99,6 +101,7 @@ def _add_routes(app: FastAPI, session: ServingSession, admin: AdminHandler) -> N
     large), not by FastAPI on the loop; ``request_body()`` puts their models in the OpenAPI
     description all the same. The route names keep the OpenAPI operation ids."""
     app.get("/health")(admin.health)
+    app.api_route("/ping", methods=["GET", "POST"])(admin.ping)  # SageMaker's health check
     app.get("/version")(admin.version)
     app.get("/v1/models")(admin.models)
     app.get("/metrics")(admin.metrics_endpoint)
@@ -107,10 +110,13 @@ def _add_routes(app: FastAPI, session: ServingSession, admin: AdminHandler) -> N
     tokens = TokenizeHandler(session)
     app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))(tokens.tokenize)
     app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))(tokens.detokenize)
+    completions, chat = CompletionsHandler(session).create, ChatHandler(session).create
     app.post("/v1/completions", name="completions",
-             openapi_extra=request_body(CompletionRequest))(CompletionsHandler(session).create)
+             openapi_extra=request_body(CompletionRequest))(completions)
     app.post("/v1/chat/completions", name="chat_completions",
-             openapi_extra=request_body(ChatCompletionRequest))(ChatHandler(session).create)
+             openapi_extra=request_body(ChatCompletionRequest))(chat)
+    app.post("/invocations", name="invocations")(
+        InvocationsHandler(session, chat, completions).create)
     app.post("/v1/responses", name="responses",
              openapi_extra=request_body(ResponsesRequest))(ResponsesHandler(session).create)
     install_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,

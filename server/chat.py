@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: messages rendered with the chat template, the reply shaped
-into a message (tool calls parsed out, server/tools.py); ``echo`` goes on from a last assistant
-message (vLLM's)."""
+into a message (tool calls parsed out, server/tools.py); ``echo`` goes on from a last message
+in the reply's role (vLLM's)."""
 
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ class ChatHandler:
         max_tokens = (body.requested_max_tokens if body.requested_max_tokens is not None
                       else s.defaults.get("max_tokens"))
         params = body.sampling_params(
-            max_tokens, body.num_logprobs, s.defaults, prompt_logprobs=body.prompt_logprobs,
+            max_tokens, body.num_logprobs, s.defaults,
+            prompt_logprobs=body.wanted_prompt_logprobs,
             structured_outputs=await prepare_structure(s.front, body, plan.structure))
         request_id = s.response_id("chatcmpl-", raw, body)
         streams = await s.submit(request_id, [ids], params, body.cache_salt, body,
                                  "/v1/chat/completions")
-        # echo: the reply goes on from the last message when that is the assistant's (vLLM)
-        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
+        # echo: the reply goes on from the last message when it has the reply's role (vLLM)
+        echo = body.echoed(s.config.response_role)
         if body.stream:
             return StreamingResponse(R.ending_with_errors(self._stream(
                 request_id, streams, started, body, ids, plan, echo)),
@@ -70,6 +71,7 @@ class ChatHandler:
         choices = []
         for c in out.outputs:
             message, finish_reason = plan.message(c.text, c.finish_reason)
+            message["role"] = body.reply_role(self.session.config.response_role)
             if echo:
                 message["content"] = echo + (message["content"] or "")
             choice = {"index": c.index, "message": message,
@@ -87,7 +89,7 @@ class ChatHandler:
             "usage": R.usage(out.num_prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
                              out.num_cached_tokens),
         }
-        if body.prompt_logprobs is not None:
+        if body.wanted_prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.session.token_text, out)
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
@@ -100,6 +102,7 @@ class ChatHandler:
         (tool calls shaped by ``plan``); the usage chunk (``stream_options.include_usage``)
         and ``[DONE]`` last."""
         base = R.envelope(request_id, "chat.completion.chunk", self.session.model_name)
+        role = body.reply_role(self.session.config.response_role)
         token_text = self._token_text(body)
         shapers = {index: plan.stream() for index in range(body.n)}
         prompt_tokens, completion_tokens, cached = len(prompt_ids), 0, 0
@@ -111,7 +114,7 @@ class ChatHandler:
 
         first = {"prompt_token_ids": prompt_ids} if body.return_token_ids else {}
         for index in range(body.n):  # the role comes first, once per choice, then any echo
-            yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+            yield chunk({"index": index, "delta": {"role": role, "content": ""},
                          "logprobs": None, "finish_reason": None}, **first)
             if echo:
                 yield chunk({"index": index, "delta": {"content": echo}, "logprobs": None,

@@ -75,12 +75,14 @@ class InputLimits:
         return cls(max_model_len, vocab_size, max_model_len * max(1, longest),
                    max_batch_tokens=max(MAX_BATCH_TOKENS, max_model_len))
 
-    def check_prompt_tokens(self, num_tokens: int, param: str = "prompt") -> None:
-        """A tokenised prompt that leaves no room for output is refused before it is queued."""
-        if num_tokens >= self.max_model_len:
+    def check_prompt_tokens(self, num_tokens: int, param: str = "prompt",
+                            leave_room: bool = True) -> None:
+        """A tokenised prompt that leaves no room for output is refused before it is queued
+        (``leave_room`` false: one that does not fit; ``/tokenize`` generates nothing)."""
+        if num_tokens > self.max_model_len or (leave_room and num_tokens == self.max_model_len):
+            why = ", leaving no room for output" if num_tokens == self.max_model_len else ""
             raise BodyError(f"this model's maximum context length is {self.max_model_len} "
-                            f"tokens; the prompt has {num_tokens}, leaving no room for output",
-                            param)
+                            f"tokens; the prompt has {num_tokens}{why}", param)
 
 
 def loads(body: bytes) -> Any:

@@ -50,11 +50,22 @@ REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
+#: fields whose explicit ``null`` means their default, as in vLLM (real clients send
+#: ``"n": null``); the handlers always see a value
+NULL_IS_DEFAULT = ("n", "stream", "logprobs", "echo", "parallel_tool_calls")
+
+
 class RequestModel(BaseModel):
-    """A request body: declared fields honoured or refused (:data:`REFUSED`), others logged."""
+    """A request body: declared fields honoured or refused (:data:`REFUSED`), others logged;
+    a ``null`` in :data:`NULL_IS_DEFAULT` is the field's default."""
 
     # unknown fields are kept (model_extra) so the server can log what it ignores
     model_config = ConfigDict(extra="allow")
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].get_default() if value is None else value
 
     @field_validator(*REFUSED, check_fields=False)
     @classmethod
@@ -90,12 +101,12 @@ class _Sampling(RequestModel):
     """Fields shared by both endpoints, with vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1  # null: 1 (NULL_IS_DEFAULT)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -146,6 +157,16 @@ class _Sampling(RequestModel):
                              "unsalted cache")
         return salt
 
+    @model_validator(mode="after")
+    def _streaming(self) -> _Sampling:
+        """vLLM's refusals: stream options without a stream, prompt logprobs with one (they
+        would be computed and never sent)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream: true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream: true")
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -193,7 +214,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
-    echo: bool = False  # prompt_logprobs: vLLM's extra; echo + logprobs implies it
+    echo: bool | None = False  # prompt_logprobs: vLLM's extra; echo + logprobs implies it
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # the tokenizer's BOS etc. around a text prompt
@@ -273,11 +294,11 @@ class ChatCompletionRequest(_Templated, _Sampling):
     """``POST /v1/chat/completions``."""
 
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0)
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    echo: bool = False  # the reply starts with the last message, when it is the assistant's
+    parallel_tool_calls: bool | None = True
+    echo: bool | None = False  # the reply goes on from the last message when it has the role
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     modalities: list[Literal["text"]] | None = None
     include_reasoning: bool = True
@@ -306,6 +327,27 @@ class ChatCompletionRequest(_Templated, _Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def reply_role(self, response_role: str) -> str:
+        """The role of the reply (vLLM's): ``--response-role`` when a generation prompt is
+        added, else the last message's (the reply continues it)."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self, response_role: str) -> str:
+        """What ``echo`` puts before the reply: the last message's text when its role is the
+        reply's (vLLM's rule), else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.reply_role(response_role):
+            return ""
+        return last.as_dict()["content"]
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """How many top logprobs each prompt token needs: ``prompt_logprobs``, or with
+        ``echo`` (not streamed) ``top_logprobs`` (0 unset), as vLLM derives them."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.top_logprobs or 0) if self.echo and not self.stream else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -16,16 +16,19 @@ from vmkv.server.tools import ToolPlan
 
 if TYPE_CHECKING:
     from vmkv.engine.front import Stream
+    from vmkv.sampling_params import SamplingParams
     from vmkv.server.responses_request import ResponsesRequest
     from vmkv.server.session import ServingSession
 
 
 class ResponseShape:
-    """The response object of one request, and its output items, as they are built."""
+    """The response object of one request, and its output items, as they are built
+    (``params``: the sampling it runs with, whose effective values the response reports)."""
 
     def __init__(self, session: ServingSession, body: ResponsesRequest, response_id: str,
-                 plan: ToolPlan) -> None:
+                 plan: ToolPlan, params: SamplingParams) -> None:
         self.session, self.body, self.id, self.plan = session, body, response_id, plan
+        self.params = params
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
@@ -42,12 +45,12 @@ class ResponseShape:
             "max_tool_calls": body.max_tool_calls, "model": self.session.model_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": body.temperature, "top_p": body.top_p,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
             "top_logprobs": body.top_logprobs,
             "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "truncation": "disabled", "metadata": body.metadata or {},
-            "user": body.user, "background": False, "usage": usage,
+            "tools": body.tools or [], "truncation": body.truncation or "disabled",
+            "metadata": body.metadata or {}, "user": body.user, "background": False, "usage": usage,
         }
 
     def status(self, finish_reason: str | None) -> str:
@@ -105,6 +108,7 @@ class EventWriter:
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message's text
         self.logprobs: list[dict[str, Any]] = []
+        self.held: list[dict[str, Any]] = []  # logprobs of text not streamed yet (held back)
         self.call: dict[str, Any] | None = None  # the open function call item
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -120,15 +124,17 @@ class EventWriter:
     def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None) -> list[str]:
         """Events for one chat delta (content, or tool-call pieces)."""
         events: list[str] = []
+        self.held += logprobs or []
         if delta.get("content"):
             if self.text is None:
                 events += self._open_message()
             self.text += delta["content"]
-            self.logprobs += logprobs or []
+            sent, self.held = self.held, []
+            self.logprobs += sent
             events.append(self.event(
                 "response.output_text.delta", item_id=self.shape.message_id,
                 output_index=len(self.output), content_index=0, delta=delta["content"],
-                logprobs=logprobs or []))
+                logprobs=sent))
         for piece in delta.get("tool_calls", []):
             events += self._call_piece(piece)
         return events
@@ -146,6 +152,8 @@ class EventWriter:
     def _close_message(self, status: str) -> list[str]:
         if self.text is None:
             return []
+        self.logprobs += self.held  # of text held back and then not streamed (a tool call's)
+        self.held = []
         logprobs = self.logprobs if self.shape.body.wants_logprobs else None
         item = self.shape.message(self.text, status, logprobs)
         index, item_id = len(self.output), self.shape.message_id
@@ -184,9 +192,21 @@ class EventWriter:
                            output_index=index, name=call["name"], arguments=call["arguments"]),
                 self.event("response.output_item.done", output_index=index, item=call)]
 
+    def fail(self, status: int, message: str) -> list[str]:
+        """The end of a response that failed midway: an ``error`` event, then
+        ``response.failed`` with what was built so far."""
+        response = self.shape.envelope("failed", self.output)
+        response["error"] = {"code": "server_error" if status >= 500 else "invalid_request",
+                             "message": message}
+        return [self.event("error", code=str(status), message=message, param=None),
+                self.event("response.failed", response=response)]
+
     def finish(self, out: RequestOutput, finish_reason: str | None) -> list[str]:
         status = self.shape.status(finish_reason)
-        events = self._close_message(status) + self._close_call()
+        opened = []
+        if self.text is None and self.call is None and not self.output:
+            opened = self._open_message()  # an empty reply is one empty message, as unstreamed
+        events = opened + self._close_message(status) + self._close_call()
         response = self.shape.envelope(status, self.output, self.shape.usage(out),
                                        finish_reason)
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -218,4 +238,5 @@ async def stream_events(session: ServingSession, shape: ResponseShape, streams: 
     except Exception as exc:  # noqa: BLE001 - the client must see an end, not a hang
         status = exc.status if isinstance(exc, APIError) else 500
         message = exc.message if isinstance(exc, APIError) else f"internal error: {exc!r}"
-        yield writer.event("error", code=str(status), message=message, param=None)
+        for event in writer.fail(status, message):
+            yield event

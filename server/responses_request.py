@@ -7,7 +7,10 @@ and ``tool_choice`` tool calling, ``text.format`` structured outputs, ``max_outp
 ``temperature`` / ``top_p`` / ``top_logprobs`` sampling.
 
 Nothing is stored: ``store: true`` and ``previous_response_id`` are refused (400) rather than
-ignored, as are hosted tools, non-text inputs and background mode.
+ignored, as are hosted tools, non-text inputs and background mode. ``truncation: "auto"``
+drops the oldest conversation items that do not fit (:func:`without_oldest`);
+``include: ["reasoning.encrypted_content"]`` is accepted (there is no stored reasoning state
+to encrypt: reasoning items carry none).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from vmkv.server.errors import APIError
 from vmkv.server.protocol import ChatCompletionRequest, RequestModel
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: what ``include`` may ask for: logprobs, and the encrypted reasoning agents ask for with
+#: ``store: false`` (accepted: vmkv keeps no reasoning state, so there is none to return)
+INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
 
 
 class ResponsesRequest(RequestModel):
@@ -34,10 +40,10 @@ class ResponsesRequest(RequestModel):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # null: true (NULL_IS_DEFAULT)
     max_tool_calls: int | None = Field(default=None, ge=1)
     text: dict[str, Any] | None = None
-    stream: bool = False
+    stream: bool | None = False
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -57,18 +63,16 @@ class ResponsesRequest(RequestModel):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     priority: int = 0
 
-    @field_validator("store", "previous_response_id", "background", "conversation", "prompt",
-                     "truncation")
+    @field_validator("store", "previous_response_id", "background", "conversation", "prompt")
     @classmethod
     def _stateless(cls, value: Any, info: ValidationInfo) -> Any:
-        if value in (None, False, "disabled"):
+        if value in (None, False):
             return value
         why = {"store": "store: true needs stored responses",
                "previous_response_id": "previous_response_id names a stored response",
                "conversation": "conversations are stored state",
                "prompt": "prompt templates are stored state",
-               "background": "background responses are stored and polled",
-               "truncation": "truncation 'auto' would drop input items"}[info.field_name]
+               "background": "background responses are stored and polled"}[info.field_name]
         raise ValueError(f"{why}, and vmkv's Responses API is stateless: nothing is stored. "
                          "Send the whole conversation as input (earlier output items "
                          "included) and leave store, previous_response_id, conversation, "
@@ -86,8 +90,8 @@ class ResponsesRequest(RequestModel):
     @classmethod
     def _includes(cls, include: list[str] | None) -> list[str] | None:
         for item in include or []:
-            if item != LOGPROBS_INCLUDE:
-                raise ValueError(f"only {LOGPROBS_INCLUDE!r} can be included, got {item!r}")
+            if item not in INCLUDES:
+                raise ValueError(f"only {list(INCLUDES)} can be included, got {item!r}")
         return include
 
     @field_validator("reasoning")
@@ -131,6 +135,22 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         error = exc.errors()[0]
         param = ".".join(str(x) for x in error["loc"]).replace("messages", "input")
         raise APIError(400, f"{param}: {error['msg']}", param) from None
+
+
+def without_oldest(chat: ChatCompletionRequest, count: int) -> list[dict[str, Any]] | None:
+    """``truncation: "auto"``: the chat's messages without the ``count`` oldest items of the
+    conversation (system messages, the instructions among them, and the last message are
+    kept; a tool result whose call was dropped goes with it); None when nothing is left to
+    drop."""
+    messages = [m.as_dict() for m in chat.messages]
+    head = [m for m in messages[:-1] if m["role"] == "system"]
+    middle = [m for m in messages[:-1] if m["role"] != "system"]
+    if count > len(middle):
+        return None
+    middle = middle[count:]
+    while middle and middle[0]["role"] == "tool":
+        middle.pop(0)
+    return [*head, *middle, messages[-1]]
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:

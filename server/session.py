@@ -10,6 +10,7 @@ events over it; none of them imports another.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -29,6 +30,7 @@ from vmkv.server.errors import RETRY_AFTER, APIError
 from vmkv.server.generation_config import generation_defaults
 from vmkv.server.http_options import request_id_header
 from vmkv.server.metrics import Metrics
+from vmkv.server.protocol import StreamOptions
 from vmkv.server.request_log import log_request, warn_ignored
 from vmkv.server.shutdown import Lifecycle
 from vmkv.server.streams import StreamMerger
@@ -73,6 +75,10 @@ class ServingSession:
         large, vmkv/server/workers.py); the fields it ignores are logged."""
         body = await self.workers.parse(await raw.body(), model)
         warn_ignored(body, raw.url.path)
+        if (self.config.enable_force_include_usage and getattr(body, "stream", False)
+                and "stream_options" in type(body).model_fields):  # --enable-force-include-usage
+            options = body.stream_options or StreamOptions()
+            body.stream_options = options.model_copy(update={"include_usage": True})
         return body
 
     def check_model(self, name: str | None) -> None:
@@ -97,9 +103,11 @@ class ServingSession:
         """``prompt``'s token ids, tokenised on a worker thread."""
         return await self.workers.encode(prompt, add_special_tokens)
 
-    def prompt_ids(self, ids: list[int], body: Any, param: str = "prompt") -> list[int]:
+    def prompt_ids(self, ids: list[int], body: Any, param: str = "prompt",
+                   leave_room: bool = True) -> list[int]:
         """``ids`` truncated as the request asks (``truncate_prompt_tokens``,
-        ``truncation_side``), then checked against the context length."""
+        ``truncation_side``), then checked against the context length (``leave_room``: with
+        room for one output token)."""
         keep = getattr(body, "truncate_prompt_tokens", None)
         if keep is not None:
             keep = self.front.max_model_len if keep == -1 else keep
@@ -107,15 +115,19 @@ class ServingSession:
                 raise APIError(400, "truncate_prompt_tokens must be >= 1 or -1, got "
                                f"{body.truncate_prompt_tokens}", "truncate_prompt_tokens")
             ids = ids[:keep] if body.truncation_side == "right" else ids[-keep:]
-        self.workers.limits.check_prompt_tokens(len(ids), param)
+        self.workers.limits.check_prompt_tokens(len(ids), param, leave_room)
         return ids
 
     async def chat_ids(self, body: Any, tools: list[dict] | None = None,
-                       messages: list[dict] | None = None) -> list[int]:
+                       messages: list[dict] | None = None, leave_room: bool = True
+                       ) -> list[int]:
         """The prompt of a chat request (``messages``: instead of the body's), rendered with
-        the request's template options and the server's ``--chat-template``, truncated as the
-        request asks."""
+        the request's template options (over ``--default-chat-template-kwargs``) and the
+        server's ``--chat-template``, truncated as the request asks."""
         options = body.template_options()
+        if self.config.default_chat_template_kwargs:
+            options["template_kwargs"] = {**self.config.default_chat_template_kwargs,
+                                          **(options["template_kwargs"] or {})}
         if options["chat_template"] is not None and not self.config.trust_request_chat_template:
             raise APIError(400, "a request's chat_template is refused unless the server runs "
                            "with --trust-request-chat-template", "chat_template")
@@ -133,7 +145,7 @@ class ServingSession:
         except TemplateError as exc:  # the template refuses the conversation (raise_exception)
             raise APIError(400, f"the chat template refused the messages: {exc}",
                            "messages") from None
-        return self.prompt_ids(ids, body, "messages")
+        return self.prompt_ids(ids, body, "messages", leave_room)
 
     # -- the engine ---------------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -148,11 +160,17 @@ class ServingSession:
                         self.config.max_log_len)
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         streams: list[Stream] = []
+        # the engine's ids are unique even when clients reuse an X-Request-Id (vLLM's too)
+        unique = secrets.token_hex(4)
         try:
             for i, ids in enumerate(prompts):
                 streams.append(await self.engine.add(
-                    f"{request_id}-{i}", ids, params, cache_salt,
+                    f"{request_id}-{i}-{unique}", ids, params, cache_salt,
                     max_waiting=self.config.max_waiting_requests or None))
+        except ValueError as exc:
+            for s in streams:
+                s.abort()
+            raise _as_sent(exc, body) from None
         except BaseException:
             for s in streams:
                 s.abort()
@@ -168,6 +186,15 @@ class ServingSession:
                       ) -> list[RequestOutput]:
         """The streams' final outputs (:meth:`StreamMerger.collect`)."""
         return await self._merger.collect(raw, streams, started)
+
+
+def _as_sent(exc: ValueError, body: Any) -> ValueError | APIError:
+    """The engine's refusal named after the field the client sent: a chat or Responses
+    request asks for logprobs with ``top_logprobs``."""
+    message = str(exc)
+    if message.startswith("logprobs ") and getattr(body, "top_logprobs", None) is not None:
+        return APIError(400, "top_" + message, "top_logprobs")
+    return exc
 
 
 def _model_dir(model: str | None) -> Path | None:

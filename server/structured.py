@@ -15,9 +15,9 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 
 
-def requested_structure(body: Any) -> StructuredOutputsParams | None:
-    """The one output constraint a request body asks for, or None; APIError(400) when the
-    fields are malformed or more than one is given."""
+def requested_structure(body: Any) -> tuple[str, StructuredOutputsParams] | None:
+    """The one output constraint a request body asks for, with the field that asks (None:
+    none); APIError(400) when the fields are malformed or more than one is given."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     fmt = getattr(body, "response_format", None)
     if fmt is not None:
@@ -37,7 +37,7 @@ def requested_structure(body: Any) -> StructuredOutputsParams | None:
         raise APIError(400, "give at most one of response_format (json_object / json_schema), "
                        f"structured_outputs and guided_*; got {[n for n, _ in found]}",
                        found[1][0])
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 async def compile_structure(front: Any, params: StructuredOutputsParams, param: str) -> None:
@@ -75,15 +75,22 @@ def _build(param: str, make: Any, value: Any) -> StructuredOutputsParams:
 
 
 async def prepare_structure(front: Any, body: Any,
-                            forced: StructuredOutputsParams | None = None
+                            forced: StructuredOutputsParams | None = None,
+                            sent_as: dict[str, str] | None = None
                             ) -> StructuredOutputsParams | None:
     """The request's output constraint, compiled: ``forced`` (tool_choice required / named)
-    or the one the body asks for; APIError(400) if both are given or it does not compile."""
+    or the one the body asks for; APIError(400) if both are given or it does not compile,
+    naming the field the client used (``sent_as``: a body field's name in the client's
+    request, e.g. Responses' ``text.format`` for ``response_format``)."""
     requested = requested_structure(body)
     if forced is not None and requested is not None:
         raise APIError(400, "tool_choice 'required' or a named function already constrains the "
                        "output; drop response_format / structured_outputs", "tool_choice")
-    params = forced or requested
-    if params is not None:
-        await compile_structure(front, params, "tool_choice" if forced else "response_format")
+    if forced is not None:
+        param, params = "tool_choice", forced
+    elif requested is not None:
+        param, params = requested
+    else:
+        return None
+    await compile_structure(front, params, (sent_as or {}).get(param, param))
     return params

@@ -25,7 +25,7 @@ class TokenizeHandler:
         body = await s.parse(raw, TokenizeRequest)
         s.check_model(body.model)
         if body.messages is not None:
-            ids = await s.chat_ids(body, body.tools)
+            ids = await s.chat_ids(body, body.tools, leave_room=False)  # max_model_len fits
         else:
             ids = await s.encode(body.prompt, body.add_special_tokens is not False)
         result: dict[str, Any] = {"tokens": ids, "count": len(ids),

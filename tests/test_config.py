@@ -77,7 +77,7 @@ def test_serve_flags_build_the_engine_and_server_configs() -> None:
 
 def test_api_key_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VMKV_API_KEY", "from-env")
-    assert server_config(_parse()).api_key == "from-env"
+    assert server_config(_parse()).api_key == ("from-env",)
     assert build_parser().parse_args(["bench", "serve"]).api_key == "from-env"
 
 

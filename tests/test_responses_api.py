@@ -144,7 +144,7 @@ def test_a_function_tool_and_its_round_trip(client: openai.OpenAI) -> None:
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "array", "uniqueItems": True}}}},
-     "response_format", "'uniqueItems'"),
+     "text.format", "'uniqueItems'"),
     ({"tools": [TOOL]}, "tool_choice", "'auto' needs a chat template"),  # SmolLM2 has none
 ])
 def test_what_a_stateless_server_cannot_do_is_a_clear_400(srv: Running, body: dict,

@@ -111,7 +111,7 @@ def test_unknown_fields_are_ignored_with_a_warning(srv: Running,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="vmkv.server"):
         r = post(srv, "/v1/chat/completions", {"messages": ASK, "max_tokens": 1,
-                                               "service_tier": "auto",
+                                               "service_tier": "auto", "stream": True,
                                                "stream_options": {"obfuscate": True}})
     assert r.status_code == 200
     assert "ignored request fields (vmkv does not know them): service_tier" in caplog.text
@@ -274,8 +274,8 @@ def test_max_logprobs(srv: Running) -> None:
     assert_400(post(srv, "/v1/completions", {"prompt": PROMPT, "logprobs": 6}), "logprobs",
                "max_logprobs")
     assert_400(post(srv, "/v1/chat/completions", {"messages": ASK, "logprobs": True,
-                                                  "top_logprobs": 6}), "logprobs",
-               "max_logprobs")
+                                                  "top_logprobs": 6}), "top_logprobs",
+               "max_logprobs")  # named as sent (vLLM's): top_logprobs
 
 
 def test_requests_are_logged(srv: Running, caplog: pytest.LogCaptureFixture) -> None:

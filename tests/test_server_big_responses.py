@@ -1,10 +1,13 @@
 """A big non-streamed logprobs response is built off the event loop: while a 4,096-token chat
 completion with ``top_logprobs: 20`` (~86,000 logprob entries, ~10 MB of JSON) is generated and
-built, the server's loop wakes within 20 ms 99 times in 100 and is never late by more than
-150 ms, and ``/health`` answers within the same bounds. The same building done on the loop
-holds it ~300 ms at once; shared 2-core machines put single pauses of up to ~55 ms on a healthy
-loop (another test worker, the kernel), hence two bounds rather than one. A tiny random-weight
-Llama with the default tokenizer makes the 4,096 tokens cheap."""
+built, the server's loop and ``/health`` are never held for long. "Long" is measured in the same
+run, on the same machine and load: the time the loop is held when the same response is
+serialised on it (the server's own serialiser, :func:`vmkv.server.bodies.dumps`, on the loop).
+Off the loop the worst wake-up stays under half of that and the 99th percentile under an
+eighth; built on the loop the worst wake-up would be the whole build, more than the reference
+(checked by building on the loop: the test fails). A fixed bound in milliseconds measured the
+machine instead: a loaded 2-core machine failed a 20 ms one with a healthy server (28 ms).
+A tiny random-weight Llama with the default tokenizer makes the 4,096 tokens cheap."""
 
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ from test_server import MODEL, Running
 
 from vmkv.config import EngineConfig
 from vmkv.models import load_tokenizer
+from vmkv.server.bodies import dumps
 
 TOKENS = 4096
-WORST = 0.150  # seconds: the worst wake or /health (building on the loop: 290-340 ms)
-TYPICAL = 0.020  # seconds: the 99th percentile (healthy: 2-7 ms, with two CPU hogs beside it)
+#: the worst wake-up or /health, and their 99th percentile, as fractions of the time the loop
+#: is held when the response is serialised on it (seen: 2-7 ms typical, 8-27 ms worst, against
+#: ~200-300 ms on the loop; building on the loop: the whole reference or more)
+WORST, TYPICAL = 1 / 2, 1 / 8
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,20 @@ def loop_lag_until(srv: Running, done: threading.Event) -> list[float]:
     return asyncio.run_coroutine_threadsafe(sample(), loop).result(timeout=600)
 
 
+def held_on_the_loop(srv: Running, response: dict) -> float:
+    """Seconds the server's loop is held serialising ``response`` on it (the median of three
+    tries): how late its wake-ups would be if the server built the body there."""
+    loop = srv.server.servers[0].get_loop()
+
+    async def serialise() -> float:
+        t = time.monotonic()
+        dumps(response)
+        return time.monotonic() - t
+
+    return statistics.median(asyncio.run_coroutine_threadsafe(serialise(), loop).result(60)
+                             for _ in range(3))
+
+
 #: the client of the big request: another process, so that reading and parsing 10 MB of JSON
 #: does not take the GIL from the server's loop (they share this process otherwise)
 CLIENT = """
@@ -101,10 +121,14 @@ def test_health_answers_while_a_big_logprobs_response_is_built(srv: Running,
     done.set()
     lagger.join()
     assert big.returncode == 0, out.read_text()[:500]
-    content = json.loads(out.read_bytes())["choices"][0]["logprobs"]["content"]
+    response = json.loads(out.read_bytes())
+    content = response["choices"][0]["logprobs"]["content"]
     assert len(content) == TOKENS and all(len(e["top_logprobs"]) == 20 for e in content)
     assert out.stat().st_size > 5_000_000 and len(health) > 50
+    reference = held_on_the_loop(srv, response)
     for name, seconds in (("the event loop's lateness", lags[0]), ("/health", health)):
         p99 = statistics.quantiles(seconds, n=100)[98]
-        assert p99 < TYPICAL, f"{name}: 99th percentile {p99:.3f} s"
-        assert max(seconds) < WORST, f"{name}: worst {max(seconds):.3f} s"
+        assert p99 < TYPICAL * reference, (
+            f"{name}: 99th percentile {p99:.3f} s; on the loop: {reference:.3f} s")
+        assert max(seconds) < WORST * reference, (
+            f"{name}: worst {max(seconds):.3f} s; on the loop: {reference:.3f} s")

@@ -114,7 +114,7 @@ def test_completions_regex_choice_grammar_and_old_names(tight: Running) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "number", "multipleOf": 3}}}},
      "response_format", "'multipleOf'"),
-    ({"structured_outputs": {"regex": "(oops"}}, "response_format", "invalid"),
+    ({"structured_outputs": {"regex": "(oops"}}, "structured_outputs", "invalid"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "exactly one"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "regexp"),

@@ -23,6 +23,7 @@ what it is, with the measurements behind it: docs/configuration.md.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -264,10 +265,10 @@ class ServerConfig:
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", minimum=0)
-    api_key: str | None = option(
-        None, "require `Authorization: Bearer <key>` on every route that does work (all but "
-        "/health, /version, /metrics and the OpenAPI pages; default: $VMKV_API_KEY)",
-        env=envs.VMKV_API_KEY)
+    api_key: tuple[str, ...] | None = option(
+        None, "require `Authorization: Bearer <key>` with one of these keys on every route "
+        "that does work (all but /health, /ping, /version, /metrics and the OpenAPI pages; "
+        "default: $VMKV_API_KEY)", env=envs.VMKV_API_KEY, many=True)
     served_model_name: tuple[str, ...] | None = option(
         None, "the model's names in the API (one or more): requests may use any, responses "
         "report the first; default: the model folder's name", many=True)
@@ -307,13 +308,33 @@ class ServerConfig:
         "`--max-log-len` characters)")
     max_log_len: int = option(
         200, "characters of each prompt `--enable-log-requests` logs", minimum=0)
+    response_role: str = option(
+        "assistant", "the role of chat replies when a generation prompt is added (vLLM's "
+        "--response-role)")
+    default_chat_template_kwargs: dict[str, Any] | None = option(
+        None, "template variables every chat request gets unless it sets them in its own "
+        "`chat_template_kwargs`, as JSON, e.g. '{\"enable_thinking\": false}'")
+    enable_force_include_usage: bool = option(
+        False, "a usage chunk at the end of every stream, as if each request asked with "
+        "`stream_options.include_usage`")
     dev_mode: bool = option(
         False, "also serve the development routes (`POST /reset_prefix_cache`), as vLLM does "
         "with VLLM_SERVER_DEV_MODE=1 (default: $VMKV_SERVER_DEV_MODE)",
         env=envs.VMKV_SERVER_DEV_MODE)
 
     def __post_init__(self) -> None:
-        for name in ("served_model_name", "allowed_origins"):
+        kwargs = self.default_chat_template_kwargs
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"default_chat_template_kwargs must be a JSON object: {exc}"
+                                 ) from None
+            object.__setattr__(self, "default_chat_template_kwargs", kwargs)
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object, got "
+                             f"{kwargs!r}")
+        for name in ("served_model_name", "allowed_origins", "api_key"):
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, (value,))
