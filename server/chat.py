@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: messages rendered with the chat template, the reply shaped
-into a message (tool calls parsed out, server/tools.py); ``echo`` goes on from a last message
-in the reply's role (vLLM's)."""
+into a message (reasoning and tool calls parsed out, server/tools.py); ``echo`` goes on from a
+last message in the reply's role (vLLM's)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,15 @@ class ChatHandler:
                           s.config.tool_call_parser)
         messages = [m.as_dict() for m in body.messages]
         ids = await s.chat_ids(body, plan.tools, messages)
+        plan.use_reasoning(s.reasoning_parser, ids, s.template_kwargs(body),
+                           body.include_reasoning)
         max_tokens = (body.requested_max_tokens if body.requested_max_tokens is not None
                       else s.defaults.get("max_tokens"))
-        params = body.sampling_params(
+        params = plan.adjust(body.sampling_params(
             max_tokens, body.num_logprobs, s.defaults,
             prompt_logprobs=body.wanted_prompt_logprobs,
-            structured_outputs=await prepare_structure(s.front, body, plan.structure))
+            structured_outputs=await prepare_structure(s.front, body, plan.structure)),
+            s.tokenizer)
         request_id = s.response_id("chatcmpl-", raw, body)
         streams = await s.submit(request_id, [ids], params, body.cache_salt, body,
                                  "/v1/chat/completions")
@@ -68,6 +71,7 @@ class ChatHandler:
               plan: ToolPlan, echo: str) -> dict[str, Any]:
         """The body of a finished chat completion (run off the loop: logprobs are big)."""
         token_text = self._token_text(body)
+        hidden = plan.hides_reasoning  # no token text that would show the hidden thinking
         choices = []
         for c in out.outputs:
             message, finish_reason = plan.message(c.text, c.finish_reason)
@@ -77,17 +81,18 @@ class ChatHandler:
             choice = {"index": c.index, "message": message,
                       "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": c.stop_reason}
-            if body.logprobs:
+            if body.logprobs and not hidden:
                 choice["logprobs"] = R.chat_logprobs(token_text, c.token_ids, c.logprobs or [],
                                                      body.top_logprobs or 0, lazy=True)
-            if body.return_token_ids:
+            if body.return_token_ids and not hidden:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         response = {
             **R.envelope(request_id, "chat.completion", self.session.model_name),
             "choices": choices,
-            "usage": R.usage(out.num_prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
-                             out.num_cached_tokens),
+            "usage": _usage(plan, out.num_prompt_tokens,
+                            sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
+                            sum(plan.reasoning_tokens(c.token_ids) for c in out.outputs)),
         }
         if body.wanted_prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.session.token_text, out)
@@ -105,6 +110,7 @@ class ChatHandler:
         role = body.reply_role(self.session.config.response_role)
         token_text = self._token_text(body)
         shapers = {index: plan.stream() for index in range(body.n)}
+        return_ids = body.return_token_ids and not plan.hides_reasoning
         prompt_tokens, completion_tokens, cached = len(prompt_ids), 0, 0
 
         def chunk(choice: dict[str, Any], **extra: Any) -> str:
@@ -123,16 +129,17 @@ class ChatHandler:
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = None
-                if body.logprobs:
+                if body.logprobs and not plan.hides_reasoning:
                     lp = R.chat_logprobs(token_text, c.token_ids, c.logprobs or [],
                                          body.top_logprobs or 0)
-                deltas, finish_reason = shapers[c.index].feed(c.text, c.finish_reason)
+                deltas, finish_reason = shapers[c.index].feed(c.text, c.finish_reason,
+                                                              c.token_ids)
                 if not deltas and (lp is not None or finish_reason is not None
-                                   or body.return_token_ids):
+                                   or return_ids):
                     deltas = [{}]
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    ids = {"token_ids": c.token_ids} if body.return_token_ids and k == 0 else {}
+                    ids = {"token_ids": c.token_ids} if return_ids and k == 0 else {}
                     yield chunk({"index": c.index, "delta": delta,
                                  "logprobs": lp if k == 0 else None,
                                  "finish_reason": finish_reason if last else None,
@@ -140,6 +147,18 @@ class ChatHandler:
             if out.finished:
                 cached = out.num_cached_tokens
         if body.stream_options and body.stream_options.include_usage:
+            thought = sum(shaper.reasoning_tokens for shaper in shapers.values())
             yield R.sse({**base, "choices": [],
-                         "usage": R.usage(prompt_tokens, completion_tokens, cached)})
+                         "usage": _usage(plan, prompt_tokens, completion_tokens, cached,
+                                         thought)})
         yield R.sse("[DONE]")
+
+
+def _usage(plan: ToolPlan, prompt_tokens: int, completion_tokens: int, cached: int,
+           reasoning_tokens: int) -> dict[str, Any]:
+    """The usage object; with a reasoning parser it counts the thinking's tokens too
+    (``completion_tokens_details.reasoning_tokens``, as vLLM reports them)."""
+    usage = R.usage(prompt_tokens, completion_tokens, cached)
+    if plan.reports_reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage

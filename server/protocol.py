@@ -43,7 +43,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
     "media_io_kwargs": (None, "multimodal inputs are not supported"),
     "prompt_embeds": (None, "prompt embeddings are not supported"),
-    "include_reasoning": (True, "vmkv has no reasoning parser: reasoning stays in the content"),
     "functions": (None, "the legacy functions API is not supported; use tools"),
     "function_call": (None, "the legacy functions API is not supported; use tool_choice"),
     "audio": (None, "audio output is not supported"),
@@ -301,7 +300,7 @@ class ChatCompletionRequest(_Templated, _Sampling):
     echo: bool | None = False  # the reply goes on from the last message when it has the role
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     modalities: list[Literal["text"]] | None = None
-    include_reasoning: bool = True
+    include_reasoning: bool = True  # false: no reasoning fields (with --reasoning-parser)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None

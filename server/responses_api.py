@@ -53,12 +53,13 @@ class ResponsesHandler:
         if body.max_tool_calls is not None:
             plan.max_calls = min(plan.max_calls or body.max_tool_calls, body.max_tool_calls)
         ids = await self._prompt(body, chat, plan)
+        plan.use_reasoning(s.reasoning_parser, ids, s.template_kwargs(chat))
         max_tokens = (body.max_output_tokens if body.max_output_tokens is not None
                       else s.defaults.get("max_tokens"))
-        params = chat.sampling_params(
+        params = plan.adjust(chat.sampling_params(
             max_tokens, chat.num_logprobs, s.defaults,
             structured_outputs=await prepare_structure(s.front, chat, plan.structure,
-                                                       SENT_AS))
+                                                       SENT_AS)), s.tokenizer)
         response_id = s.response_id("resp_", raw, body)
         streams = await s.submit(response_id, [ids], params, body.cache_salt, body,
                                  "/v1/responses")

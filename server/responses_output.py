@@ -31,6 +31,7 @@ class ResponseShape:
         self.params = params
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
 
     def envelope(self, status: str, output: list[dict[str, Any]],
                  usage: dict[str, Any] | None = None,
@@ -44,7 +45,7 @@ class ResponseShape:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": self.session.model_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": None, "reasoning": body.reasoning or None, "store": False,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
             "top_logprobs": body.top_logprobs,
             "text": body.text or {"format": {"type": "text"}},
@@ -62,6 +63,12 @@ class ResponseShape:
             part["logprobs"] = logprobs
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": [part]}
+
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        """A reasoning item: the thinking's text (no summary, no encrypted state)."""
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}],
+                "encrypted_content": None, "status": status}
 
     @staticmethod
     def call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -82,7 +89,8 @@ class ResponseShape:
         return {"input_tokens": out.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": sum(
+                    self.plan.reasoning_tokens(c.token_ids) for c in out.outputs)},
                 "total_tokens": out.num_prompt_tokens + output_tokens}
 
     def final(self, out: RequestOutput) -> dict[str, Any]:
@@ -91,6 +99,10 @@ class ResponseShape:
         message, finish_reason = self.plan.message(c.text, c.finish_reason)
         status = self.status(finish_reason)
         output = []
+        if message.get("reasoning"):  # completed once anything follows it
+            followed = message["content"] or "tool_calls" in message
+            output.append(self.reasoning(message["reasoning"],
+                                         "completed" if followed else status))
         if message["content"] is not None and (message["content"] or "tool_calls"
                                                not in message):
             output.append(self.message(message["content"], status,
@@ -110,6 +122,7 @@ class EventWriter:
         self.logprobs: list[dict[str, Any]] = []
         self.held: list[dict[str, Any]] = []  # logprobs of text not streamed yet (held back)
         self.call: dict[str, Any] | None = None  # the open function call item
+        self.thought: str | None = None  # the open reasoning item's text
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -125,6 +138,10 @@ class EventWriter:
         """Events for one chat delta (content, or tool-call pieces)."""
         events: list[str] = []
         self.held += logprobs or []
+        if delta.get("reasoning"):
+            events += self._reasoning(delta["reasoning"])
+        if delta.get("content") or delta.get("tool_calls"):
+            events += self._close_reasoning("completed")
         if delta.get("content"):
             if self.text is None:
                 events += self._open_message()
@@ -137,6 +154,35 @@ class EventWriter:
                 logprobs=sent))
         for piece in delta.get("tool_calls", []):
             events += self._call_piece(piece)
+        return events
+
+    def _reasoning(self, text: str) -> list[str]:
+        events = []
+        index, item_id = len(self.output), self.shape.reasoning_id
+        if self.thought is None:
+            self.thought = ""
+            item = {**self.shape.reasoning("", "in_progress"), "content": []}
+            events += [self.event("response.output_item.added", output_index=index, item=item),
+                       self.event("response.content_part.added", item_id=item_id,
+                                  output_index=index, content_index=0,
+                                  part={"type": "reasoning_text", "text": ""})]
+        self.thought += text
+        events.append(self.event("response.reasoning_text.delta", item_id=item_id,
+                                 output_index=index, content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        if self.thought is None:
+            return []
+        item = self.shape.reasoning(self.thought, status)
+        index, item_id = len(self.output), self.shape.reasoning_id
+        events = [self.event("response.reasoning_text.done", item_id=item_id,
+                             output_index=index, content_index=0, text=self.thought),
+                  self.event("response.content_part.done", item_id=item_id, output_index=index,
+                             content_index=0, part=item["content"][0]),
+                  self.event("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        self.thought = None
         return events
 
     def _open_message(self) -> list[str]:
@@ -203,9 +249,9 @@ class EventWriter:
 
     def finish(self, out: RequestOutput, finish_reason: str | None) -> list[str]:
         status = self.shape.status(finish_reason)
-        opened = []
+        opened = self._close_reasoning(status)
         if self.text is None and self.call is None and not self.output:
-            opened = self._open_message()  # an empty reply is one empty message, as unstreamed
+            opened += self._open_message()  # an empty reply is one empty message, as unstreamed
         events = opened + self._close_message(status) + self._close_call()
         response = self.shape.envelope(status, self.output, self.shape.usage(out),
                                        finish_reason)

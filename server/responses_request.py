@@ -23,6 +23,11 @@ from vmkv.server.errors import APIError
 from vmkv.server.protocol import ChatCompletionRequest, RequestModel
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: ``reasoning``'s options and their values (OpenAI's)
+REASONING_OPTIONS = {
+    "effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+    "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise",
+                                                                     "detailed")}
 #: what ``include`` may ask for: logprobs, and the encrypted reasoning agents ask for with
 #: ``store: false`` (accepted: vmkv keeps no reasoning state, so there is none to return)
 INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
@@ -96,10 +101,17 @@ class ResponsesRequest(RequestModel):
 
     @field_validator("reasoning")
     @classmethod
-    def _no_reasoning(cls, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-        if reasoning and any(v is not None for v in reasoning.values()):
-            raise ValueError("reasoning options are not supported (vmkv serves no reasoning "
-                             "parser)")
+    def _reasoning(cls, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``effort`` reaches the chat template (as chat's ``reasoning_effort``); a
+        ``summary`` is accepted (vmkv writes none: reasoning items carry the text itself)."""
+        for key, value in (reasoning or {}).items():
+            allowed = REASONING_OPTIONS.get(key)
+            if allowed is None:
+                raise ValueError(f"reasoning.{key} is not supported (only "
+                                 f"{sorted(REASONING_OPTIONS)})")
+            if value is not None and value not in allowed:
+                raise ValueError(f"reasoning.{key} must be one of {list(allowed)}, got "
+                                 f"{value!r}")
         return reasoning
 
     @property
@@ -127,6 +139,7 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "repetition_penalty": body.repetition_penalty, "cache_salt": body.cache_salt,
         "response_format": _response_format(body.text),
         "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs,
+        "reasoning_effort": (body.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate(
@@ -155,11 +168,20 @@ def without_oldest(chat: ChatCompletionRequest, count: int) -> list[dict[str, An
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:
     kind = item.get("type", "message")
+    thinking = _thinking(messages)
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"unsupported message role {role!r}", f"{param}.role")
-        messages.append({"role": role, "content": _text(item.get("content"), param)})
+        if role == "assistant" and thinking is not None:  # the reply of an earlier reasoning
+            thinking["content"] = _text(item.get("content"), param)
+        else:
+            messages.append({"role": role, "content": _text(item.get("content"), param)})
+    elif kind == "reasoning":  # an earlier reply's reasoning: the template's reasoning_content
+        parts = item.get("content") or item.get("summary") or []
+        text = _text([{**p, "type": "text"} if isinstance(p, dict) else p for p in parts],
+                     param)
+        messages.append({"role": "assistant", "content": "", "reasoning_content": text})
     elif kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -167,8 +189,9 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
             raise APIError(400, "a function_call item needs call_id, name and arguments "
                            "(strings)", param)
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant" and (
+                "tool_calls" in last or last is thinking):
+            last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
@@ -180,6 +203,16 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
         raise APIError(400, f"input items of type {kind!r} are not supported (vmkv serves "
                        "text messages, function_call and function_call_output)",
                        f"{param}.type")
+
+
+def _thinking(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last message when it holds only an earlier reply's reasoning (its text and calls,
+    if the input gives them, join it)."""
+    last = messages[-1] if messages else None
+    if (last is not None and last["role"] == "assistant" and "reasoning_content" in last
+            and not last["content"] and "tool_calls" not in last):
+        return last
+    return None
 
 
 def _text(content: Any, param: str) -> str:

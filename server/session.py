@@ -31,9 +31,11 @@ from vmkv.server.generation_config import generation_defaults
 from vmkv.server.http_options import request_id_header
 from vmkv.server.metrics import Metrics
 from vmkv.server.protocol import StreamOptions
+from vmkv.server.reasoning import reasoning_parser
 from vmkv.server.request_log import log_request, warn_ignored
 from vmkv.server.shutdown import Lifecycle
 from vmkv.server.streams import StreamMerger
+from vmkv.server.tool_parsers import check_parser_name, load_plugin
 from vmkv.server.workers import Workers
 
 M = TypeVar("M")
@@ -48,6 +50,7 @@ class ServingSession:
         tokenizer: the front's tokenizer; ``token_text`` its cached id -> text.
         model_name: the name responses report (the first served name).
         chat_template: ``--chat-template`` read (None: the tokenizer's).
+        reasoning_parser: ``--reasoning-parser``'s (server/reasoning/), or None.
         defaults: sampling defaults of requests that leave them unset (``--generation-config``).
 
     Every method raises :class:`~vmkv.server.errors.APIError` for what the client must fix.
@@ -65,6 +68,10 @@ class ServingSession:
         self.token_text = R.TokenText(self.tokenizer)
         self.model_name = config.served_model_name[0]
         self.chat_template = load_chat_template(config.chat_template)
+        if config.tool_parser_plugin is not None:  # registers parsers, before the name check
+            load_plugin(config.tool_parser_plugin)
+        check_parser_name(config.tool_call_parser)
+        self.reasoning_parser = reasoning_parser(config.reasoning_parser, self.tokenizer)
         self.defaults = generation_defaults(config.generation_config,
                                             _model_dir(self.front.config.model))
         self._merger = StreamMerger(engine, metrics, config.request_timeout)
@@ -117,6 +124,13 @@ class ServingSession:
             ids = ids[:keep] if body.truncation_side == "right" else ids[-keep:]
         self.workers.limits.check_prompt_tokens(len(ids), param, leave_room)
         return ids
+
+    def template_kwargs(self, body: Any) -> dict[str, Any]:
+        """The template variables of a chat request: its own (``chat_template_kwargs``,
+        ``reasoning_effort``) over ``--default-chat-template-kwargs``, as :meth:`chat_ids`
+        renders them."""
+        return {**(self.config.default_chat_template_kwargs or {}),
+                **(body.template_options()["template_kwargs"] or {})}
 
     async def chat_ids(self, body: Any, tools: list[dict] | None = None,
                        messages: list[dict] | None = None, leave_room: bool = True

@@ -40,7 +40,8 @@ def test_defaults_are_vllms() -> None:
         min_tokens=0, stop=(), stop_token_ids=(), ignore_eos=False, logprobs=None,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
         include_stop_str_in_output=False, skip_special_tokens=True, prompt_logprobs=None,
-        structured_outputs=None, output_kind=RequestOutputKind.CUMULATIVE, logit_bias=None,
+        structured_outputs=None, structured_outputs_after=None,  # vmkv's: vLLM's reasoner
+        output_kind=RequestOutputKind.CUMULATIVE, logit_bias=None,
         allowed_token_ids=None, bad_words=None, truncate_prompt_tokens=None,
     )  # fmt: skip
     assert dataclasses.asdict(p) == expected

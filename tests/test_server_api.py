@@ -85,13 +85,13 @@ def assert_400(r: httpx.Response, param: str | None, text: str = "") -> None:
 
 # -- fields -----------------------------------------------------------------------------------
 REFUSALS = [(name, value, "/v1/chat/completions" if name in (
-    "media_io_kwargs", "include_reasoning", "functions", "function_call", "audio") else
+    "media_io_kwargs", "functions", "function_call", "audio") else
     "/v1/completions") for name, value in [
         ("use_beam_search", True), ("length_penalty", 0.5), ("watermarking", True),
         ("spaces_between_special_tokens", False), ("logprob_token_ids", [1]),
         ("priority", 1), ("repetition_detection", {"n": 3}), ("thinking_token_budget", 10),
         ("mm_processor_kwargs", {"a": 1}), ("media_io_kwargs", {"image": {}}),
-        ("prompt_embeds", "AAAA"), ("include_reasoning", False),
+        ("prompt_embeds", "AAAA"),
         ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x"})]]
 
 

@@ -13,18 +13,23 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from pydantic import BaseModel, Field
 from serving import client_of, serve
 from test_server import MODEL, Running, wait_idle
-from tool_model import save_qwen_tool_model
+from tool_model import QWEN_TOOL_TEMPLATE, save_qwen_tool_model
 
 from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
+from vmkv.models import load_tokenizer
 from vmkv.server.tool_parsers import (
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     PythonicParser,
-    ToolCallParser,
+    Qwen3CoderParser,
     parser_for_template,
 )
 
@@ -131,82 +136,28 @@ def test_parsers_are_picked_from_the_template() -> None:
     assert isinstance(parser_for_template("... [TOOL_CALLS] ..."), MistralParser)
     assert isinstance(parser_for_template("<|python_start|> ... ipython"), PythonicParser)
     assert isinstance(parser_for_template("<|python_tag|>"), Llama3JsonParser)
+    assert isinstance(parser_for_template("<tool_call>\n<function=f>"), Qwen3CoderParser)
+    assert isinstance(parser_for_template("<｜tool▁calls▁begin｜>```json"), DeepSeekV3Parser)
+    assert type(parser_for_template("<｜tool▁calls▁begin｜>")) is DeepSeekV31Parser
+    assert isinstance(parser_for_template("<|tool_call|>"), GraniteParser)
     assert parser_for_template("{{ messages }}") is None
 
 
-def test_streams_hold_back_what_may_become_a_tool_call() -> None:
-    stream = HermesParser().stream()
-    assert stream.feed("Sure, <tool", False) == [{"content": "Sure,"}]  # blanks held too
-    assert stream.feed('_call>\n{"name": "add", "arguments": {"a": 1}}', False) == []
-    deltas = stream.feed("\n</tool_call>", True)
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "add",
-                                                      "arguments": '{"a": 1}'}
-    plain = HermesParser().stream()
-    assert plain.feed("a <t", False) == [{"content": "a"}]
-    assert plain.feed("> c", True) == [{"content": " <t> c"}]
-    llama = Llama3JsonParser().stream()
-    assert llama.feed("  {", False) == []
-    assert llama.feed('"name": "add", "parameters": {}}', True)[0]["tool_calls"][0]["index"] == 0
+def test_parsers_are_picked_from_named_templates() -> None:
+    """Bug (2b6f1fc): a tokenizer with several named templates has a dict as its chat
+    template; its substrings were tested, so no parser was found and every request with tools
+    got a 400. The ``tool_use`` template is read, as transformers renders requests with tools
+    with it (else ``default``)."""
+    named = {"default": "{{ messages }}", "tool_use": "... <tool_call> ..."}
+    assert isinstance(parser_for_template(named), HermesParser)
+    assert isinstance(parser_for_template({"default": "[TOOL_CALLS]"}), MistralParser)
+    assert parser_for_template({"default": "{{ messages }}"}) is None
 
 
 HERMES_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": '
                 '{"city": "Paris", "unit": "celsius"}}\n</tool_call>')
 TWO_CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
              '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
-REPLIES = [
-    (HermesParser, HERMES_REPLY),
-    (HermesParser, TWO_CALLS),
-    (HermesParser, '  Two calls:  \n\n<tool_call>{"name": "add", "arguments": {"a": 1}}'
-                   '</tool_call>\n<tool_call>{"name": "add", "arguments": {"b": 2}}'
-                   '</tool_call>'),
-    (HermesParser, "  plain text, kept as it is  \n"),
-    (HermesParser, "broken <tool_call>{nope</tool_call>"),
-    (Llama3JsonParser, '\n<|python_tag|>{"name": "add", "parameters": {"a": 1}}'),
-    (Llama3JsonParser, "<|python hello"),
-    (MistralParser, 'Let me see. \n[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'),
-    (PythonicParser, ' [add(a=1), add(b=2)]'),
-    (PythonicParser, "[not a call"),
-]
-
-
-@pytest.mark.parametrize(("parser", "text"), REPLIES)
-@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("max_calls", [None, 1])
-def test_streamed_replies_merge_to_the_non_streamed_reply(
-        parser: type[ToolCallParser], text: str, chunk: int, max_calls: int | None) -> None:
-    """The streamed content is the non-streamed content, trimmed the same way, whatever the
-    chunks; the calls are the same (at most max_calls: parallel_tool_calls false)."""
-    content, calls = parser().parse(text)
-    stream = parser().stream(max_calls)
-    deltas = []
-    for i in range(0, len(text), chunk):
-        deltas += stream.feed(text[i : i + chunk], False)
-    deltas += stream.feed("", True)
-    streamed = "".join(d.get("content", "") for d in deltas)
-    assert streamed == (content or "")
-    streamed_calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
-    assert streamed_calls == [c.as_dict()["function"] for c in calls][:max_calls]
-    assert all(d["tool_calls"][0]["index"] == i for i, d in enumerate(
-        d for d in deltas if "tool_calls" in d))
-
-
-def test_streaming_scans_only_the_new_text() -> None:
-    """Each chunk costs its own length: the stream never rescans the whole reply."""
-    parser = HermesParser()
-    seen: list[int] = []
-    scan = parser.scan
-
-    def counting(text: str, start: int):  # noqa: ANN202
-        seen.append(len(text) - max(0, start - len(parser.MARKER) + 1))
-        return scan(text, start)
-
-    parser.scan = counting  # type: ignore[method-assign]
-    stream = parser.stream()
-    for _ in range(2000):
-        stream.feed("word ", False)
-    assert max(seen) <= len("word ") + len(parser.MARKER)
-
-
 # -- required and named, on the default model ----------------------------------------------------
 @pytest.fixture(scope="module")
 def smol(default_model: Path) -> Iterator[Running]:
@@ -265,6 +216,46 @@ def test_required_allows_several_calls_by_default(smol: Running) -> None:
             if most >= 2:
                 break
     assert most >= 2
+
+
+class Address(BaseModel):
+    city: str = Field(min_length=1, max_length=12)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(min_length=1, max_length=12)
+    home: Address
+
+
+def test_required_resolves_the_refs_of_nested_models(smol: Running) -> None:
+    """Bug (2b6f1fc): a tool whose parameters are a pydantic model with a nested model
+    (``$defs`` + ``$ref``) broke ``tool_choice: "required"``: the schema moved under
+    ``properties.parameters`` and ``#/$defs/Address`` no longer resolved. The definitions are
+    hoisted to the root, as vLLM does: the calls validate against the model's schema."""
+    schema = Person.model_json_schema()
+    assert "$defs" in schema
+    tools = [*TOOLS, {"type": "function", "function": {"name": "save_person",
+                                                       "parameters": schema}}]
+    r = client_of(smol).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Save Ann, who lives in Oslo."}],
+        tools=tools, tool_choice="required", parallel_tool_calls=False, temperature=0,
+        max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    (call,) = r.choices[0].message.tool_calls
+    schemas = {**SCHEMA_OF, "save_person": schema}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_required_refuses_tools_that_define_a_name_twice(smol: Running) -> None:
+    one = {"$defs": {"X": {"type": "integer"}}, "type": "object",
+           "properties": {"x": {"$ref": "#/$defs/X"}}}
+    two = {**one, "$defs": {"X": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("one", one), ("two", two))]
+    r = httpx.post(f"{smol.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": ASK, "tools": tools, "tool_choice": "required"})
+    assert r.status_code == 400 and "$defs.X" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
@@ -401,3 +392,75 @@ def test_the_offline_chat_renders_tools(qwen_path: Path) -> None:
     assert "<tools>" not in llm.tokenizer.decode(llm.apply_chat_template(ASK))
     out = llm.chat(ASK, SamplingParams(max_tokens=3), tools=TOOLS, use_tqdm=False)[0]
     assert out.prompt_token_ids == llm.apply_chat_template(ASK, tools=TOOLS)
+
+
+# -- markers that are special tokens, and named chat templates -----------------------------------
+SPECIAL = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+                  "'<|im_end|>\\n' }}{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+
+
+@pytest.fixture(scope="module")
+def special_path(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    """The Qwen-style model whose tokenizer holds the markers as special tokens (as Mistral's
+    and some Qwen tokenizers do) and has named templates: ``default`` and ``tool_use``."""
+    return save_qwen_tool_model(tmp_path_factory.mktemp("special-tools"), special=SPECIAL,
+                                template={"default": PLAIN_TEMPLATE,
+                                          "tool_use": QWEN_TOOL_TEMPLATE})
+
+
+def forced_with_specials(path: Path, text: str) -> dict:
+    """extra_body that makes the model write ``text`` with its markers as the special tokens
+    (the regex allows them, a +100 bias picks them) and return its token ids."""
+    vocab = load_tokenizer(path).get_vocab()
+    return {**forced(text), "logit_bias": {str(vocab[m]): 100 for m in SPECIAL},
+            "return_token_ids": True}
+
+
+def test_special_token_markers_are_found_and_named_templates_read(special_path: Path) -> None:
+    """Bugs (2b6f1fc): (1) a tool-call marker that is a special token was removed by the
+    default ``skip_special_tokens``, so no call was ever found (the reply keeps special tokens
+    while a parser reads it, as vLLM turns skip_special_tokens off); (2) a tokenizer with
+    named templates (a dict) got a 400 for every request with tools (its ``tool_use``
+    template now picks the parser: hermes)."""
+    vocab = load_tokenizer(special_path).get_vocab()
+    for running in serve_model(str(special_path)):
+        client = client_of(running)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           max_tokens=80,
+                                           extra_body=forced_with_specials(special_path,
+                                                                           HERMES_REPLY))
+        choice = r.choices[0]
+        assert vocab["<tool_call>"] in choice.model_extra["token_ids"]  # the special token
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.content == "I will look it up."
+        (call,) = choice.message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, stream=True,
+            extra_body=forced_with_specials(special_path, HERMES_REPLY))
+        content, calls, finish = reassemble(stream)
+        assert (content, finish, [c["name"] for c in calls]) == (
+            "I will look it up.", "tool_calls", ["get_weather"])
+        # without tools the reply is text: special tokens are dropped as the request asks
+        plain = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=80,
+            extra_body=forced_with_specials(special_path, HERMES_REPLY))
+        assert "<tool_call>" not in plain.choices[0].message.content
+
+
+def test_mistral_special_token_calls_are_found(special_path: Path) -> None:
+    """Bug (2b6f1fc): Mistral's ``[TOOL_CALLS]`` is a special token of its HF tokenizers, so
+    ``auto`` calls were never detected under the default ``skip_special_tokens``."""
+    reply = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+    for running in serve_model(str(special_path), tool_call_parser="mistral"):
+        client = client_of(running)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           max_tokens=60,
+                                           extra_body=forced_with_specials(special_path, reply))
+        choice = r.choices[0]
+        assert load_tokenizer(special_path).get_vocab()["[TOOL_CALLS]"] in (
+            choice.model_extra["token_ids"])
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        (call,) = choice.message.tool_calls
+        assert len(call.id) == 9 and json.loads(call.function.arguments) == {"a": 1, "b": 2}

@@ -52,16 +52,24 @@ QWEN_TOOL_TEMPLATE = """
 """.strip()
 
 
-def save_qwen_tool_model(path: Path) -> Path:
-    """Write the model and its tokenizer to ``path`` and return it."""
+def save_qwen_tool_model(path: Path, special: tuple[str, ...] = (),
+                         template: str | dict[str, str] = QWEN_TOOL_TEMPLATE,
+                         scale: float = 0.2) -> Path:
+    """Write the model and its tokenizer to ``path`` and return it. ``special``: more tokens,
+    added as special tokens (``skip_special_tokens`` drops them from the text), instead of
+    Qwen's two plain ones; ``template``: the chat template (a dict: named templates);
+    ``scale``: of the random weights (small: logits near 0, which logit biases then steer)."""
     tokenizer = load_tokenizer(resolve_model(None, progress=False))
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = QWEN_TOOL_TEMPLATE
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    else:
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer) + 64, hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=1024, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         bos_token_id=None, pad_token_id=None, architectures=["Qwen2ForCausalLM"])
-    save_random_model(config, path, seed=0)
+    save_random_model(config, path, seed=0, scale=scale)
     return path

@@ -43,8 +43,8 @@ CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
 #: tokens a virtual growth maps at least on the CPU unless ``premap_pages`` is set: paged's block
 #: there, so both modes take memory in the same steps
 CPU_GROWTH_TOKENS = CPU_BLOCK_SIZE
-#: server/tool_parsers/
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
+#: ``--reasoning-parser``'s names (server/reasoning/)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite")
 #: CUDA attention kernels (vmkv.attention.kernel_choice)
 ATTENTION_BACKENDS = ("auto", "flash", "flash-attn", "aten-flash", "triton", "sdpa")
 #: virtual page size on the host unless ``page_size`` is set, by layout
@@ -286,10 +286,17 @@ class ServerConfig:
         20.0, "seconds running requests get to finish after SIGTERM/SIGINT before they are "
         "aborted; keep it under the orchestrator's grace period (Kubernetes: 30 s)", minimum=0)
     tool_call_parser: str = option(
-        "auto", "how `tool_choice: auto` reads tool calls in the model's text: hermes "
-        "(<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), or auto (from the chat "
-        "template), mistral ([TOOL_CALLS] JSON), pythonic ([f(x=1)]: Llama 3.2/4)",
-        choices=TOOL_CALL_PARSERS)
+        "auto", "how `tool_choice: auto` reads tool calls in the model's text: auto (from the "
+        "chat template), hermes (<tool_call> JSON: Qwen2/Qwen3), llama3_json (Llama 3's JSON), "
+        "mistral ([TOOL_CALLS] JSON), pythonic ([f(x=1)]: Llama 3.2/4), qwen3_coder (XML), "
+        "deepseek_v3, deepseek_v31, granite, xlam, or a name a --tool-parser-plugin registers")
+    tool_parser_plugin: str | None = option(
+        None, "a Python file that registers more tool-call parsers (vLLM's hook; "
+        "docs/server.md#tool-calling)")
+    reasoning_parser: str | None = option(
+        None, "split the model's thinking into `reasoning` / `reasoning_content`: "
+        "deepseek_r1, qwen3 (<think>...</think>) or granite; default: none (it stays in the "
+        "content)", choices=REASONING_PARSERS)
     chat_template: str | None = option(
         None, "the chat template: a file, or the Jinja text itself; default: the tokenizer's")
     trust_request_chat_template: bool = option(

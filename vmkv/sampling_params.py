@@ -76,6 +76,9 @@ class SamplingParams:
             as ``logprobs``; the first prompt token has no logprob: None).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (:class:`~vmkv.structured.StructuredOutputsParams`, or a dict of its fields).
+        structured_outputs_after: a token id; the structured output constraint applies only
+            after the output's first such token (the end of a reasoning section: ``</think>``,
+            as vLLM applies grammars once the reasoning ends); None: from the first token.
         output_kind: what each step returns (:class:`RequestOutputKind`); ``LLM.generate``
             asks for FINAL_ONLY and the server for DELTA whatever is set here.
         logit_bias: ``{token_id: bias}`` added to the logits before sampling (OpenAI's
@@ -109,6 +112,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    structured_outputs_after: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None
@@ -126,6 +130,11 @@ class SamplingParams:
         elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or "
                              f"None, got {self.structured_outputs!r}")
+        after = self.structured_outputs_after
+        if after is not None and (isinstance(after, bool) or not isinstance(after, Integral)
+                                  or after < 0 or self.structured_outputs is None):
+            raise ValueError("structured_outputs_after must be a token id (an int >= 0) and "
+                             f"needs structured_outputs, got {after!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

@@ -1,15 +1,22 @@
 """What every tool-call parser shares: the call, the two shapes of tool syntax, and streaming.
 
-Two shapes of syntax exist. **Marked** replies (hermes, mistral) may start with text; the calls
-begin at a marker (``<tool_call>``, ``[TOOL_CALLS]``). **Whole** replies (llama3_json, pythonic)
-are calls from their first non-blank character (``{``, ``[``) or not at all.
+Two shapes of syntax exist. **Marked** replies (hermes, mistral, qwen3_coder, deepseek_v3,
+xlam) may start with text; the calls begin at a marker (``<tool_call>``, ``[TOOL_CALLS]``, ...).
+**Whole** replies (llama3_json, pythonic, granite) are calls from their first non-blank
+character (``{``, ``[``, an opening tag) or not at all.
 
 A reply with calls has as content the text before the calls, trailing whitespace removed (None
 when nothing is left); a reply that does not parse is all content, unchanged, never an error.
+
 Streamed (:class:`ToolCallStream`), the content is sent as it comes, holding back only a
-trailing run of whitespace and a tail that may still become the marker, and the calls follow
-when the reply ends, each whole in one delta: merged, the deltas are exactly the non-streamed
-reply. Each chunk costs time in its own length only (the marker is searched in the new text).
+trailing run of whitespace and a tail that may still become a marker; from the marker on, the
+parser's reader (:meth:`ToolCallParser.reader`) reads the calls as they arrive, as vLLM streams
+them: a call's first delta carries its id, type and name, the next ones fragments of its
+arguments (re-written as the non-streamed call writes them, so they add up to the same text).
+When the reply ends it is parsed whole, and what the stream still owes is sent: so a reply
+the parser reads gives exactly the non-streamed content and calls. Text that turns out not to
+be a call before a call's name was sent goes out as content; a call whose name was sent stays
+sent (the model's later text cannot take it back). Each chunk costs time in its own length.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
+
+from vmkv.server.tool_parsers.json_stream import CallPiece
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,19 @@ def call_from_object(obj: Any, arguments_key: str = "arguments",
         obj["name"], arguments, call_id)
 
 
+class CallReader(Protocol):
+    """Reads the calls of a reply from where they begin, as the text arrives."""
+
+    failed: bool  # text that is no call came: nothing after it is read
+
+    def feed(self, text: str) -> list[CallPiece]:
+        """The pieces of calls ``text`` completes (a name starts a call)."""
+
+    @property
+    def between_calls(self) -> bool:
+        """No call is open (what was read so far is whole calls)."""
+
+
 class Scan(NamedTuple):
     """Where a growing reply stands: ``call_at`` (where the calls begin; None: not seen yet),
     ``content_end`` (how much is surely content), ``settled`` (no call can begin any more)."""
@@ -62,9 +84,19 @@ class Scan(NamedTuple):
 
 
 class ToolCallParser(ABC):
-    """Splits a finished reply into content and calls; ``stream()`` does it as it grows."""
+    """Splits a finished reply into content and calls (:class:`~vmkv.server.tool_parsers.
+    stream.ToolCallStream` does it as the reply grows).
+
+    Built per request with the request's tools (OpenAI tool definitions; parsers that write
+    arguments as text, such as qwen3_coder, read their types from the tools' schemas).
+    :attr:`MARKERS` are the strings that open calls: where a tokenizer holds one as a special
+    token, the reply is detokenized with special tokens kept (vLLM's ``adjust_request``)."""
 
     name: str
+    MARKERS: tuple[str, ...] = ()
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -75,51 +107,86 @@ class ToolCallParser(ABC):
         """Where the calls begin in a growing reply; ``text[:start]`` was scanned before and
         holds no call (so only the new text is searched)."""
 
-    def stream(self, max_calls: int | None = None) -> ToolCallStream:
-        return ToolCallStream(self, max_calls)
+    def reader(self) -> CallReader | None:
+        """A reader of the calls as they arrive, from where they begin (None: the stream
+        sends each call whole when the reply ends)."""
+        return None
+
+    def new_call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def read_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls in ``text`` (from where they begin) as :meth:`reader` reads them; None
+        unless it is whole calls only, at least one, each with object arguments."""
+        reader = self.reader()
+        if reader is None:
+            return None
+        calls: list[list[str]] = []
+        for piece in reader.feed(text):
+            if piece.name is not None:
+                calls.append([piece.name, ""])
+            calls[-1][1] += piece.arguments
+        if reader.failed or not reader.between_calls or not calls:
+            return None
+        for _, arguments in calls:
+            try:
+                if not isinstance(json.loads(arguments), dict):
+                    return None
+            except json.JSONDecodeError:
+                return None
+        return [ToolCall(name, arguments, self.new_call_id()) for name, arguments in calls]
 
 
 class MarkedParser(ToolCallParser):
-    """Calls begin at :attr:`MARKER`; the text before it is content."""
+    """Calls begin at the first of :attr:`MARKERS`; the text before it is content."""
 
-    MARKER: str
-
-    @abstractmethod
     def parse_calls(self, tail: str) -> list[ToolCall] | None:
         """The calls in ``tail`` (the reply from the first marker on); None if it is not
-        only calls."""
+        only calls (by default: as :meth:`reader` reads them)."""
+        return self.read_calls(tail)
+
+    def first_marker(self, text: str, start: int = 0) -> int:
+        """Where the first marker at or after ``start`` begins (-1: none)."""
+        hits = [at for m in self.MARKERS if (at := text.find(m, start)) >= 0]
+        return min(hits, default=-1)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.MARKER)
+        at = self.first_marker(text)
         calls = self.parse_calls(text[at:]) if at >= 0 else None
         if not calls:
             return text, []
         return text[:at].rstrip() or None, calls
 
     def scan(self, text: str, start: int) -> Scan:
-        at = text.find(self.MARKER, max(0, start - len(self.MARKER) + 1))
+        longest = max(map(len, self.MARKERS))
+        at = self.first_marker(text, max(0, start - longest + 1))
         if at >= 0:
             return Scan(at, at)
-        return Scan(None, len(text) - _marker_tail(text, self.MARKER))
+        return Scan(None, len(text) - max(_marker_tail(text, m) for m in self.MARKERS))
 
 
 class WholeParser(ToolCallParser):
     """The whole reply is calls, beginning with one of :attr:`STARTS`, or it is content;
-    :attr:`WRAPPERS` (opening, closing) may surround the calls."""
+    one of :attr:`WRAPPERS` (opening, closing) may surround the calls."""
 
     STARTS: tuple[str, ...]
-    WRAPPERS: tuple[str, str] | None = None
+    WRAPPERS: tuple[tuple[str, str], ...] = ()
 
-    @abstractmethod
     def parse_calls(self, body: str) -> list[ToolCall] | None:
-        """The calls of ``body`` (the reply stripped, unwrapped); None if it is not calls."""
+        """The calls of ``body`` (the reply stripped, unwrapped); None if it is not calls
+        (by default: as :meth:`reader` reads them)."""
+        return self.read_calls(body)
+
+    @property
+    def MARKERS(self) -> tuple[str, ...]:  # type: ignore[override]  # noqa: N802
+        return tuple(opening for opening, _ in self.WRAPPERS)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
-        if self.WRAPPERS is not None:
-            opening, closing = self.WRAPPERS
+        for opening, closing in self.WRAPPERS:
             if body.startswith(opening):
                 body = body[len(opening):].strip().removesuffix(closing).strip()
+                break
         calls = self.parse_calls(body) if body.startswith(self.STARTS) else None
         return (None, calls) if calls else (text, [])
 
@@ -128,7 +195,7 @@ class WholeParser(ToolCallParser):
         rest = text[head:]
         if not rest:
             return Scan(None, 0)
-        starts = self.STARTS + ((self.WRAPPERS[0],) if self.WRAPPERS else ())
+        starts = self.STARTS + self.MARKERS
         if rest.startswith(starts):
             return Scan(head, head)
         if any(s.startswith(rest) for s in starts):
@@ -142,55 +209,3 @@ def _marker_tail(text: str, marker: str) -> int:
         if marker.startswith(text[-k:]):
             return k
     return 0
-
-
-class ToolCallStream:
-    """One choice's streamed reply: text deltas in, OpenAI chat deltas out; at most
-    ``max_calls`` calls (``parallel_tool_calls: false``: 1)."""
-
-    def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
-        self.parser = parser
-        self.max_calls = max_calls
-        self.text = ""
-        self.sent = 0  # characters of content already sent
-        self.scanned = 0
-        self.state = Scan(None, 0)
-        self.calls: list[ToolCall] = []
-
-    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        """Deltas for ``text`` (appended to the reply); at the end, the calls."""
-        self.text += text
-        if self.state.call_at is None and not self.state.settled:
-            self.state = self.parser.scan(self.text, self.scanned)
-            self.scanned = len(self.text)
-        if finished:
-            return self._finish()
-        end = (self.state.call_at if self.state.call_at is not None
-               else len(self.text) if self.state.settled else self.state.content_end)
-        return self._content(_before_blanks(self.text, self.sent, end))
-
-    def _finish(self) -> list[dict[str, Any]]:
-        calls: list[ToolCall] = []
-        if self.state.call_at is not None:
-            calls = self.parser.parse(self.text)[1][: self.max_calls]
-        if not calls:
-            return self._content(len(self.text))
-        deltas = self._content(_before_blanks(self.text, self.sent, self.state.call_at))
-        for call in calls:
-            deltas.append({"tool_calls": [{"index": len(self.calls), **call.as_dict()}]})
-            self.calls.append(call)
-        return deltas
-
-    def _content(self, end: int) -> list[dict[str, Any]]:
-        if end <= self.sent:
-            return []
-        delta = {"content": self.text[self.sent : end]}
-        self.sent = end
-        return [delta]
-
-
-def _before_blanks(text: str, start: int, end: int) -> int:
-    """``end`` moved back over the whitespace before it, but not before ``start``."""
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return end

@@ -8,6 +8,11 @@
                  Mixtral, Mistral Nemo), or ``[TOOL_CALLS]name[ARGS]{...}`` per call (newer
                  tokenizers), after optional text; call ids are 9 letters and digits, which
                  Mistral's templates require of the ids sent back to them
+    granite      the whole reply is a JSON array of ``{"name", "arguments"}``, optionally after
+                 ``<|tool_call|>`` or ``<tool_call>`` (IBM Granite 3.x)
+    xlam         a JSON array of ``{"name", "arguments"}``: the whole reply, or after optional
+                 text in a code fence (```` ```json ````), after ``[TOOL_CALLS]`` or in
+                 ``<tool_call>`` (Salesforce xLAM)
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ import re
 import secrets
 import string
 
-from vmkv.server.tool_parsers.base import MarkedParser, ToolCall, WholeParser, call_from_object
+from vmkv.server.tool_parsers.base import (
+    MarkedParser,
+    Scan,
+    ToolCall,
+    WholeParser,
+    call_from_object,
+)
+from vmkv.server.tool_parsers.json_stream import WAIT, JsonCallsReader
 
 
 class HermesParser(MarkedParser):
     name = "hermes"
-    MARKER = "<tool_call>"
+    MARKERS = ("<tool_call>",)
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse_calls(self, tail: str) -> list[ToolCall] | None:
@@ -37,12 +49,15 @@ class HermesParser(MarkedParser):
             calls.append(call)
         return calls
 
+    def reader(self) -> JsonCallsReader:
+        return JsonCallsReader(("<tool_call>", "</tool_call>"))
+
 
 class Llama3JsonParser(WholeParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     STARTS = ("{",)
-    WRAPPERS = (TAG, "")
+    WRAPPERS = ((TAG, ""),)
 
     def parse_calls(self, body: str) -> list[ToolCall] | None:
         decoder, calls, at = json.JSONDecoder(), [], 0
@@ -59,6 +74,9 @@ class Llama3JsonParser(WholeParser):
                 at += 1
         return calls
 
+    def reader(self) -> JsonCallsReader:
+        return JsonCallsReader((self.TAG, ";"), ("parameters", "arguments"))
+
 
 def mistral_call_id() -> str:
     """A call id as Mistral's templates demand: 9 letters and digits."""
@@ -69,6 +87,7 @@ def mistral_call_id() -> str:
 class MistralParser(MarkedParser):
     name = "mistral"
     MARKER = "[TOOL_CALLS]"
+    MARKERS = (MARKER,)
     _NAMED = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]", re.DOTALL)
 
     def parse_calls(self, tail: str) -> list[ToolCall] | None:
@@ -94,3 +113,52 @@ class MistralParser(MarkedParser):
                     return None
                 calls.append(call)
         return calls
+
+    def new_call_id(self) -> str:
+        return mistral_call_id()
+
+    def reader(self) -> JsonCallsReader:
+        return _MistralReader((self.MARKER, "[", ",", "]"))
+
+
+class _MistralReader(JsonCallsReader):
+    """Mistral's calls: JSON objects, or ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]``)."""
+
+    _PARTIAL = re.compile(r"[\w.\-]+(?:\[[A-Z_]*\]?[A-Za-z0-9]*)*")
+
+    def header(self, text: str) -> tuple[str, int] | object | None:
+        named = MistralParser._NAMED.match(text)
+        if named is not None:
+            return named.group(1), named.end()
+        return WAIT if self._PARTIAL.fullmatch(text) and len(text) < 256 else None
+
+
+class GraniteParser(WholeParser):
+    name = "granite"
+    STARTS = ("[",)
+    WRAPPERS = (("<|tool_call|>", ""), ("<tool_call>", ""))
+
+    def reader(self) -> JsonCallsReader:
+        return JsonCallsReader(("<|tool_call|>", "<tool_call>", "[", ",", "]"))
+
+
+class XlamParser(MarkedParser):
+    """xLAM's calls begin at a marker, or at a ``[`` that opens the reply."""
+
+    name = "xlam"
+    MARKERS = ("```", "[TOOL_CALLS]", "<tool_call>")
+
+    def first_marker(self, text: str, start: int = 0) -> int:
+        head = len(text) - len(text.lstrip())
+        if start <= head and text[head:head + 1] == "[":
+            return head
+        return super().first_marker(text, start)
+
+    def scan(self, text: str, start: int) -> Scan:
+        if not text.strip():
+            return Scan(None, 0)
+        return super().scan(text, start)
+
+    def reader(self) -> JsonCallsReader:
+        return JsonCallsReader(("```json", "```", "[TOOL_CALLS]", "<tool_call>", "</tool_call>",
+                                "[", ",", "]"))

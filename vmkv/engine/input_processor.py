@@ -108,7 +108,8 @@ class InputProcessor:
             raise ValueError(f"max_tokens=0 (score the prompt only) needs n=1, got n={params.n}")
         grammar = None
         if params.structured_outputs is not None:  # ValueError for a grammar xgrammar refuses
-            grammar = self.grammars.new_state(params.structured_outputs)
+            grammar = self.grammars.new_state(params.structured_outputs,
+                                              params.structured_outputs_after)
         return EngineRequest(request_id, text, ids, params, max_tokens, grammar,
                              bad_words_token_ids(self.tokenizer, params.bad_words or ()),
                              cache_salt, arrival_time)

@@ -15,8 +15,9 @@ from vmkv.sampling.state import SamplingState
 
 
 def constrained_rows(states: Sequence[SamplingState]) -> list[int]:
-    """Indices of the rows whose sequence has a grammar."""
-    return [i for i, s in enumerate(states) if s.grammar is not None]
+    """Indices of the rows whose sequence has a grammar that applies now (not one waiting
+    for the end of a reasoning section)."""
+    return [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.is_active]
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[SamplingState],

@@ -119,9 +119,11 @@ class GrammarCompilerCache:
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"invalid structured_outputs.{kind}: {_reason(exc)}") from None
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher for one sequence (compiles, or takes the grammar from the cache)."""
-        return GrammarState(self.compile(params))
+    def new_state(self, params: StructuredOutputsParams,
+                  after_token: int | None = None) -> GrammarState:
+        """A fresh matcher for one sequence (compiles, or takes the grammar from the cache);
+        with ``after_token`` it applies only after that token (:class:`GrammarState`)."""
+        return GrammarState(self.compile(params), after_token=after_token)
 
 
 def json_grammar(params: StructuredOutputsParams) -> str:
