@@ -16,6 +16,9 @@ os.environ.setdefault("VMKV_COMPILE", "0")
 # hardware otherwise): the equality checks against float32 transformers need it; the bfloat16
 # tests ask for bfloat16 explicitly
 os.environ.setdefault("VMKV_AUTO_DTYPE", "float32")
+# and the default model's weights dequantized (transformers' numbers); the quantization tests
+# ask for their formats
+os.environ.setdefault("VMKV_QUANTIZATION", "none")
 # `make test` runs the files on pytest-xdist workers (one file per worker at a time): each worker
 # gets its share of the cores, so two workers' OpenMP teams never contend for the same ones
 # (inherited by the servers and replicas the tests launch)

@@ -69,9 +69,9 @@ def test_the_reports_say_which_kernels_run(monkeypatch: pytest.MonkeyPatch) -> N
     assert cpu_kernels.status() == dict.fromkeys(cpu_kernels.KERNELS, "compiled")
     bf16 = ", bf16 layers" if "bf16_layers" in cpu_kernels.KERNELS else ""  # bf16 hardware
     assert cpu_kernels.report_line() == (
-        f"CPU kernels: attention, argmax, decoder layers{bf16} compiled")
+        f"CPU kernels: attention, argmax, decoder layers, quant layers{bf16} compiled")
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert cpu_kernels.status()["attention"] == "not built: per-request SDPA instead"
     assert cpu_kernels.report_line() == (
-        f"CPU kernels: argmax, decoder layers{bf16} compiled; attention not built: per-request "
-        "SDPA instead (see the warning above)")
+        f"CPU kernels: argmax, decoder layers, quant layers{bf16} compiled; attention not "
+        "built: per-request SDPA instead (see the warning above)")

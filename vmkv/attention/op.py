@@ -50,6 +50,13 @@ def attention_step(backend: AttentionBackend, meta: AttentionMetadata) -> Iterat
         _step.current = outer
 
 
+def current_step() -> tuple[AttentionBackend, AttentionMetadata] | None:
+    """The backend and metadata of the :func:`attention_step` in force (None outside one):
+    for code that runs a whole step's layers itself (vmkv.models.quant.decode_loop)."""
+    step = getattr(_step, "current", None)
+    return None if step is None else (step.backend, step.meta)
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     step = getattr(_step, "current", None)
     if step is None:

@@ -49,6 +49,7 @@ import torch
 from vmkv.bench.timing import call_ms
 from vmkv.kernels import cpu_bf16
 from vmkv.kernels.cpu_decoder_layer import GEMM_NS
+from vmkv.kernels.cpu_quant import ATTENTION_NS
 from vmkv.models import linear as linear_module
 from vmkv.models.linear import PackedLinear
 
@@ -132,6 +133,10 @@ class StepTimer:
         cpu = time.process_time() - cpu0
         if self.fused is not None:  # the fused calls' GEMMs (their elementwise time is glue)
             self.ns["gemm"] = self.ns.get("gemm", 0) + int(self.fused.ns[GEMM_NS])
+            # the decode loop's attention calls from C (quantized weights, pure decode)
+            if self.fused.ns.numel() > ATTENTION_NS:
+                self.ns["attention_forward"] = (self.ns.get("attention_forward", 0)
+                                                + int(self.fused.ns[ATTENTION_NS]))
         ms = {k: v / 1e6 for k, v in self.ns.items()}
         ms["attention"] = ms.get("attention_forward", 0.0) - ms.get("kv_write", 0.0)
         inner = sum(ms.get(p, 0.0) for p in ("gemm", "attention", "kv_write"))

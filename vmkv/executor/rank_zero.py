@@ -32,7 +32,8 @@ class RankZeroExecutor(Executor):
         return self._rank_zero().runner.compute_logits(hidden)
 
     def describe(self) -> list[str]:
-        return [self._rank_zero().describe()]
+        worker = self._rank_zero()
+        return [worker.describe_weights(), worker.describe()]
 
     def close(self) -> None:
         """Release rank 0's KV memory, mapper and weights; safe to call again."""

@@ -20,6 +20,7 @@ class WorkerSettings:
         device: rank 0's device (``cpu`` or ``cuda[:N]``; other ranks take the next GPUs).
         dtype: the weights' and KV cache's dtype, resolved (never ``auto``).
         linear_backend: the CPU linears (``vmkv.models.linear``).
+        quantization: the weights' format (``vmkv.models.quant``; ``auto`` resolved at load).
         tensor_parallel_size: ranks the model is sharded over.
         max_model_len: longest prompt + output asked for (None: the model's limit).
         max_num_seqs: most sequences at once (virtual slots, the largest graph bucket).
@@ -35,6 +36,7 @@ class WorkerSettings:
     device: str
     dtype: str
     linear_backend: str
+    quantization: str
     tensor_parallel_size: int
     max_model_len: int | None
     max_num_seqs: int
@@ -56,7 +58,7 @@ class WorkerSettings:
         one_rank = config.tensor_parallel_size == 1
         return cls(
             model_path=model_path, device=config.device, dtype=config.torch_dtype_name,
-            linear_backend=config.linear_backend,
+            linear_backend=config.linear_backend, quantization=str(config.quantization),
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             cache=config.cache, attention_backend=str(config.attention_backend),

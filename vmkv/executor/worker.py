@@ -32,6 +32,7 @@ from vmkv.kv import create_kv_cache
 from vmkv.models import load_model, parse_dtype
 from vmkv.models.compile import try_compile, uncompile_layers
 from vmkv.models.fused_layers import fuse_layers
+from vmkv.models.quant.gguf_weights import describe_weights
 
 logger = logging.getLogger("vmkv")
 
@@ -63,7 +64,8 @@ class Worker:
                            "(--dtype float32)")
         self.model, self.model_config = load_model(
             settings.model_path, dtype, device, linear_backend=settings.linear_backend,
-            tensor_parallel=(rank, settings.tensor_parallel_size))
+            tensor_parallel=(rank, settings.tensor_parallel_size),
+            quantization=settings.quantization)
         self.max_model_len = resolve_max_model_len(settings.max_model_len,
                                                    self.model_config.max_model_len)
         self.kv = create_kv_cache(settings.cache, self.model.config.kv_spec(dtype),
@@ -103,6 +105,10 @@ class Worker:
         return {"fused": "decoder layers fused (C++ calls around the attention)",
                 "compiled": "decoder layers compiled (TorchInductor)",
                 "eager": "model runs eagerly"}[self.layers]
+
+    def describe_weights(self) -> str:
+        """The weights' format and resident bytes (the start-up report's line)."""
+        return describe_weights(self.model)
 
     def warm_up_step(self, num_tokens: int) -> None:
         """One real forward of ``num_tokens`` tokens of a throw-away request (compiles the

@@ -73,6 +73,17 @@ def available() -> bool:
     return _lib() is not None
 
 
+def decode_address() -> int:
+    """The address of ``vmkv_cpu_decode_attention`` (for C code that calls the decode kernel
+    itself: vmkv.models.quant.decode_loop); RuntimeError when :func:`available` is False."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+    address = ctypes.cast(lib.vmkv_cpu_decode_attention, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
              starts: torch.Tensor | None, block_table: torch.Tensor | None
              ) -> tuple[ctypes.CDLL, torch.Tensor | None, torch.Tensor | None, int]:

@@ -15,6 +15,8 @@ Two libraries with the same two calls per layer, chosen by the linears' backend:
                                                      AVX512-BF16, rounding to bf16 where
                                                      transformers does
     float32, brgemm     csrc/cpu_bf16_layer.cpp      the same body in float32 (AVX-512)
+    either, quant       csrc/cpu_quant_layer.cpp     GGUF block formats (QuantLinear): integer
+                                                     dot products on the file's blocks
 
 It replaces :meth:`LlamaModel.body <vmkv.models.llama.LlamaModel.body>` (``model.run_body``)
 when every layer can take it: the four linears packed for that library, no per-head q/k norm,
@@ -34,10 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from vmkv.attention.op import attention
-from vmkv.kernels import cpu_bf16
+from vmkv.kernels import cpu_bf16, cpu_quant
 from vmkv.kernels import cpu_decoder_layer as f32_kernels
 from vmkv.models.linear import PackedLinear, mkl_compute_address
 from vmkv.models.llama import LlamaDecoderLayer, LlamaModel
+from vmkv.models.quant.decode_loop import DecodeLoop
+from vmkv.models.quant.modules import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -47,27 +51,39 @@ class _Library:
     """One layer library: the dtype and linear backend its weights need, and its calls."""
 
     dtype: torch.dtype
-    backend: str  # PackedLinear.backend the calls read
+    backend: str  # PackedLinear.backend the calls read ("quant": QuantLinear)
     act_width: int  # scratch columns per intermediate column: gate|up (2) or SiLU*up (1)
 
     def lib(self) -> ctypes.CDLL:
+        if self.backend == "quant":
+            return cpu_quant.library()
         return f32_kernels.library() if self.backend == "mkl" else cpu_bf16.library(self.dtype)
 
     def unavailable(self) -> str | None:
-        if self.backend == "mkl":
-            return None if f32_kernels.available() else "the kernel library did not build"
+        if self.backend in ("mkl", "quant"):
+            built = (f32_kernels if self.backend == "mkl" else cpu_quant).available()
+            return None if built else "the kernel library did not build"
         return cpu_bf16.unavailable_reason(self.dtype)
+
+    def takes(self, linear: torch.nn.Module) -> bool:
+        """Whether ``linear`` is packed for this library."""
+        if self.backend == "quant":
+            return isinstance(linear, QuantLinear)
+        return isinstance(linear, PackedLinear) and linear.backend == self.backend
 
 
 _LIBRARIES = {(torch.float32, "mkl"): _Library(torch.float32, "mkl", 2),
               (torch.float32, "brgemm"): _Library(torch.float32, "brgemm", 1),
-              (torch.bfloat16, "brgemm"): _Library(torch.bfloat16, "brgemm", 1)}
+              (torch.bfloat16, "brgemm"): _Library(torch.bfloat16, "brgemm", 1),
+              (torch.float32, "quant"): _Library(torch.float32, "quant", 1),
+              (torch.bfloat16, "quant"): _Library(torch.bfloat16, "quant", 1)}
 
 
 def _library_of(model: LlamaModel) -> _Library | None:
     """The library for ``model``'s dtype and its first layer's qkv backend (None: none)."""
     qkv = model.layers[0].self_attn.qkv_proj if model.layers else None
-    backend = qkv.backend if isinstance(qkv, PackedLinear) else None
+    backend = ("quant" if isinstance(qkv, QuantLinear)
+               else qkv.backend if isinstance(qkv, PackedLinear) else None)
     return _LIBRARIES.get((model.dtype, backend))
 
 
@@ -87,14 +103,22 @@ class FusedLayers:
         self.hidden, self.intermediate, self.scale = (
             cfg.hidden_size, cfg.intermediate_size, cfg.scale)
         self.qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        #: GEMM and elementwise ns, added to while :meth:`profile` is on
-        self.ns = torch.zeros(2, dtype=torch.int64)
+        #: GEMM, elementwise and (the quantized decode loop's) attention ns, added to while
+        #: :meth:`profile` is on
+        self.ns = torch.zeros(3 if library.backend == "quant" else 2, dtype=torch.int64)
         if library.backend == "mkl":
             self.shape: ctypes.Structure = f32_kernels.LayerShape(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                 gemm=mkl_compute_address(), ns=None)
             self.attn_in, self.attn_out = self.lib.vmkv_layer_attn_in, self.lib.vmkv_layer_attn_out
+        elif library.backend == "quant":
+            self.shape = cpu_quant.ShapeArgs(
+                hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                ns=None)
+            self.attn_in, self.attn_out = (cpu_quant.entry(model.dtype, name)
+                                           for name in ("attn_in", "attn_out"))
         else:
             self.shape = cpu_bf16.ShapeArgs(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -104,6 +128,10 @@ class FusedLayers:
                                            for name in ("attn_in", "attn_out"))
         self.layers = [ctypes.pointer(_layer_args(layer, library.backend))
                        for layer in model.layers]
+        #: pure-decode steps' whole stack in one C call (quantized weights)
+        self.decode_loop = (DecodeLoop(self.shape, [p.contents for p in self.layers],
+                                       model.dtype, cfg.scale)
+                            if library.backend == "quant" else None)
         #: 2 * (the layers' linear weights): a token's GEMM FLOPs through the stack
         self.flops_per_token = 2 * sum(
             lin.in_features * lin.out_features for layer in model.layers
@@ -124,7 +152,7 @@ class FusedLayers:
         address = self.ns.data_ptr() if on else None
         if isinstance(self.shape, cpu_bf16.ShapeArgs):
             self.shape.gemm.ns = address
-        else:
+        else:  # the float32 MKL library's and the quantized one's
             self.shape.ns = address
 
     def body(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -142,6 +170,10 @@ class FusedLayers:
         hq, hkv = self.num_heads, self.num_kv_heads
         heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
         q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]  # [T, H, D]
+        step = self.decode_loop.takes(keep) if self.decode_loop is not None else None
+        if step is not None:  # every request decodes: all layers in one call
+            self.decode_loop.run(x, cos, sin, *step, [h, qkv, act])
+            return model.norm(x)
         shape = ctypes.byref(self.shape)
         x_ptr, h_ptr, act_ptr = x.data_ptr(), h.data_ptr(), act.data_ptr()
         cos_ptr, sin_ptr, qkv_ptr = cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
@@ -182,6 +214,8 @@ def _f32_linear_args(lin: PackedLinear) -> f32_kernels.PackedLinearArgs:
 def _layer_args(layer: LlamaDecoderLayer, backend: str) -> ctypes.Structure:
     if backend == "mkl":
         structure, linear_args = f32_kernels.DecoderLayerArgs, _f32_linear_args
+    elif backend == "quant":
+        structure, linear_args = cpu_quant.LayerArgs, QuantLinear.args
     else:
         structure, linear_args = cpu_bf16.LayerArgs, PackedLinear.brgemm_args
     qkv, o, gate_up, down = (linear_args(lin) for lin in _linears(layer))  # type: ignore[arg-type]
@@ -198,8 +232,7 @@ def unfusable(model: LlamaModel) -> str | None:
     if library is None:
         return "the linears are not packed for mkl or brgemm (linear_backend)"
     for layer in model.layers:
-        if any(not (isinstance(lin, PackedLinear) and lin.backend == library.backend)
-               for lin in _linears(layer)):
+        if not all(library.takes(lin) for lin in _linears(layer)):
             return f"the linears are not packed for {library.backend} (linear_backend)"
         if layer.self_attn.q_norm is not None:
             return "per-head q/k norms"
@@ -209,9 +242,8 @@ def unfusable(model: LlamaModel) -> str | None:
                    *(lin.bias for lin in _linears(layer) if lin.bias is not None)]
         if any(t.dtype != model.dtype or not t.is_contiguous() for t in tensors):
             return f"norm weights or biases that are not contiguous {model.dtype}"
-        gate_up = layer.mlp.gate_up_proj.packed_weight
-        if (library.backend == "brgemm"
-                and model.config.intermediate_size % cpu_bf16.block_width(gate_up)):
+        if (library.backend == "brgemm" and model.config.intermediate_size
+                % cpu_bf16.block_width(layer.mlp.gate_up_proj.packed_weight)):
             return "an intermediate size that is not a whole number of packed column blocks"
     if model.config.head_dim % 2:
         return "an odd head_dim"

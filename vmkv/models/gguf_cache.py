@@ -2,7 +2,8 @@
 
     $VMKV_CACHE (default ~/.cache/vmkv)/models/
         <stem>-<sha256[:16]>/            a finished conversion (config, safetensors, tokenizer,
-            vmkv-cache.json              ... and this marker, written last)
+            vmkv-cache.json              ... and this marker, written last: the source's name,
+                                         sha256 and path, so a native load finds the file)
         .tmp-<stem>-<sha>-<pid>-<rand>/  a conversion in progress (or killed mid-way)
 
 Invariant: a folder without the ``.tmp-`` prefix appears only by ``rename`` of a finished
@@ -65,6 +66,38 @@ def is_complete(folder: Path) -> bool:
     return not folder.name.startswith(TMP_PREFIX) and (folder / MARKER).is_file()
 
 
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a cache folder was converted from, when it is still where it was and
+    unchanged (same sha256); None for any other folder."""
+    try:
+        info = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    path = Path(info.get("path") or "")
+    if not info.get("path") or not path.is_file() or path.suffix != ".gguf":
+        return None
+    return path if file_sha256(path) == info.get("sha256") else None
+
+
+def _remember_source(folder: Path, gguf: Path) -> None:
+    """Record ``gguf``'s path in the marker of its conversion ``folder`` (conversions made
+    before the marker held one), replacing the marker atomically."""
+    marker = folder / MARKER
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if info.get("path") == str(gguf.resolve()):
+        return
+    info["path"] = str(gguf.resolve())
+    tmp = marker.with_name(f"{TMP_PREFIX}{MARKER}-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(info, indent=1))
+        os.replace(tmp, marker)
+    except OSError:  # a read-only cache: the native load falls back to the conversion
+        tmp.unlink(missing_ok=True)
+
+
 def cached_conversion(gguf: Path) -> Path | None:
     """The finished conversion of ``gguf`` if one is cached, else None."""
     folder = models_dir() / cache_key(gguf)
@@ -99,6 +132,7 @@ def convert_gguf(gguf: str | Path, *, progress: bool = True) -> Path:
         raise ValueError(f"{str(gguf)!r} is not a .gguf file")
     final = models_dir() / cache_key(gguf)
     if is_complete(final):
+        _remember_source(final, gguf)
         return final
     from tqdm.auto import tqdm
 
@@ -110,7 +144,8 @@ def convert_gguf(gguf: str | Path, *, progress: bool = True) -> Path:
     try:
         _convert_into(gguf, tmp, bar)
         bar.set_postfix_str("finish")
-        marker = {"source": gguf.name, "sha256": file_sha256(gguf), "created": time.time()}
+        marker = {"source": gguf.name, "sha256": file_sha256(gguf), "created": time.time(),
+                  "path": str(gguf.resolve())}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
         _publish(tmp, final)
         bar.update()

@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device  # (a quantized embedding keeps no float weight)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Adopt ``state`` (vmkv names, final dtype and device) as the parameters, no copies.

@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 
 from vmkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype
 from vmkv.models.gemma3 import Gemma3Model
+from vmkv.models.gguf_cache import gguf_source
 from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
+from vmkv.models.quant.gguf_weights import GGUFWeights, load_gguf_model, native_unavailable
 from vmkv.models.sharding import shard_config, shard_state
 
 logger = logging.getLogger(__name__)
@@ -119,13 +121,17 @@ def hf_to_vmkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", *, linear_backend: str = "auto",
-               tensor_parallel: tuple[int, int] = (0, 1)) -> tuple[LlamaModel, ModelConfig]:
+               tensor_parallel: tuple[int, int] = (0, 1), quantization: str = "none"
+               ) -> tuple[LlamaModel, ModelConfig]:
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
 
     ``linear_backend`` (float32 on CPU): "mkl"/"onednn" pack the linear layers' weights once
     for that library, "auto" picks one (:func:`vmkv.models.linear.resolve_backend`), "torch"
     keeps ``F.linear``. ``tensor_parallel = (rank, size)``: only that rank's shard
-    (:mod:`vmkv.models.sharding`). Returns the model and the whole model's config
+    (:mod:`vmkv.models.sharding`). ``quantization``: "none" (the checkpoint's weights in
+    ``dtype``), "gguf" (a GGUF model's linears in the file's own block formats,
+    :mod:`vmkv.models.quant.gguf_weights`; ValueError where that cannot run), or "auto" (gguf
+    where it can run, else none). Returns the model and the whole model's config
     (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
@@ -135,6 +141,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     path = Path(path).expanduser()
     dtype = parse_dtype(dtype) if dtype is not None else cfg.torch_dtype or torch.float32
     device = torch.device(device)
+    if quantization in ("auto", "gguf"):
+        model = _gguf_native(path, cfg, dtype, device, tensor_parallel, quantization)
+        if model is not None:
+            pack_linears(model, linear_backend)  # any linear the file holds in another format
+            return model, cfg
+    elif quantization != "none":
+        raise ValueError(f"quantization must be auto, none or gguf here, got {quantization!r}")
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         tensors.update((name, t.to(device=device, dtype=dtype))
@@ -149,6 +162,36 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                 _num_params(model), cfg.num_layers, path, dtype, device)
     pack_linears(model, linear_backend)
     return model, cfg
+
+
+def _gguf_native(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tensor_parallel: tuple[int, int], quantization: str) -> LlamaModel | None:
+    """The model on its GGUF file's own block formats, or None (``auto``, with a log line) where
+    that cannot run; ``gguf`` raises ValueError there instead."""
+    source = gguf_source(path)
+    if source is None:
+        reason = f"{str(path)!r} was not converted from a GGUF file vmkv can still find"
+    elif device.type != "cpu":
+        reason = "GGUF block formats are served on the CPU only"
+    elif tensor_parallel[1] > 1:
+        reason = "GGUF block formats are served on one rank (no tensor parallelism)"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        reason = f"GGUF block formats take float32 or bfloat16 activations, not {dtype}"
+    else:
+        weights = GGUFWeights(source)
+        try:
+            reason = native_unavailable(weights, cfg)
+            if reason is None:
+                model = load_gguf_model(weights, cfg, dtype)
+                logger.info("loaded %s (%d layers) from %s in its GGUF block formats, %s "
+                            "activations", cfg.architecture, cfg.num_layers, source, dtype)
+                return model
+        finally:
+            weights.close()
+    if quantization == "gguf":
+        raise ValueError(f"--quantization gguf: {reason}")
+    logger.info("quantization auto: %s; weights dequantized to %s", reason, dtype)
+    return None
 
 
 def load_tokenizer(path: str | Path) -> Any:

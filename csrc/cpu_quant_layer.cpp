@@ -1,0 +1,426 @@
+// Linears and decoder layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0), served as
+// the file holds them: the products are csrc/cpu_quant_gemm.h's integer dot products on the
+// packed blocks with the activations quantised per block of 32 to int8; everything else is the
+// fused layers' elementwise work (csrc/cpu_layer_ops.h), in float32 or bfloat16 activations:
+//
+//   vmkv_q{f32,bf16}_linear:    out = a W^T (+ b), float32 or the activations' type (LM head,
+//                               any quantized linear)
+//   vmkv_q{f32,bf16}_embed:     out[i] = W[ids[i]] (the tied embedding, looked up in its blocks)
+//   vmkv_q{f32,bf16}_attn_in:   h = rms_norm(x) * w1;  qkv = h Wqkv^T (+ b);  RoPE on q and k
+//   vmkv_q{f32,bf16}_attn_out:  x += attn Wo^T (+ b);  h = rms_norm(x) * w2;
+//                               act = silu(h Wg^T) * (h Wu^T);  x += act Wdown^T (+ b)
+//
+// A linear is up to three segments of rows, each packed in its own format (q, k and v of one
+// fused qkv projection may differ: Gemma 3's file has Q5_0 q and k with a Q8_0 v). A product runs
+// over the OpenMP team by groups of 16 output rows: few activation rows (decode) split the
+// groups over the threads, so each streams its share of the weight once; many (prefill) take
+// row tiles of 64, each thread sweeping every group with its tile in cache. Each group's float32
+// tile is finished by the layer's epilogue while in cache (bias, rounding, residual, SiLU*up).
+//
+// Built by vmkv/kernels/cpu_quant.py like the other CPU kernels (g++ -O3 -march=native -fopenmp,
+// cached, called through ctypes). Each entry point returns 0, or 1 on bad arguments (nothing
+// written).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "cpu_lap.h"
+#include "cpu_layer_ops.h"
+#include "cpu_quant_gemm.h"
+#include "cpu_vec.h"
+
+using vmkv::bf16;
+
+extern "C" {
+
+// Rows of one linear packed in one format: ceil(rows / 16) groups of K / 32 records each.
+struct VmkvQSegment {
+  const void* packed;
+  int64_t rows;
+  int32_t format;  // a GGML type id: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0
+  int32_t reserved;
+};
+
+// A quantized linear: its segments' rows in order make the N outputs; every segment but the last
+// holds a multiple of 16 rows. An optional bias [N] of the activations' type.
+struct VmkvQLinear {
+  VmkvQSegment segments[3];
+  int64_t num_segments;
+  const void* bias;
+  int64_t in_features, out_features;
+};
+
+struct VmkvQLayer {
+  VmkvQLinear qkv, o, gate_up, down;  // gate_up: the gate's rows, then the up projection's
+  const void* input_norm;             // [hidden]
+  const void* post_norm;              // [hidden]
+};
+
+struct VmkvQShape {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps;
+  int64_t* ns;  // nullptr, or the profiling counters {products, elementwise, attention} in ns
+};
+
+// csrc/cpu_attention.cpp's decode entry point, vmkv_cpu_decode_attention (its C ABI).
+typedef int (*VmkvDecodeAttention)(int dtype, const void* q, int64_t q_stride_b,
+                                   int64_t q_stride_h, const void* k, const void* v,
+                                   int64_t stride_row, int64_t stride_head,
+                                   const int64_t* starts, const int32_t* table,
+                                   int64_t table_stride, int64_t block_size,
+                                   const int32_t* seq_lens, int64_t batch, int64_t heads,
+                                   int64_t kv_heads, int64_t dim, float scale, void* out,
+                                   int64_t out_stride_b, int64_t out_stride_h, const void* k_new,
+                                   int64_t k_new_stride_b, int64_t k_new_stride_h,
+                                   const void* v_new, int64_t v_new_stride_b,
+                                   int64_t v_new_stride_h, int64_t window);
+
+// A pure-decode step's attention, the same for every layer but the cache rows: the decode kernel
+// stores each request's new K/V row at its token seq_lens[b] - 1 and attends (one call a layer).
+struct VmkvQDecode {
+  VmkvDecodeAttention attention;
+  int64_t dtype;                  // the kernel's element type code (0 float32, 2 bfloat16)
+  const void* const* k;           // [layers] each layer's flat K rows [rows, kv_heads, D]
+  const void* const* v;           // [layers] its V rows
+  const int64_t* windows;         // [layers] sliding window in tokens (0: none)
+  int64_t stride_row, stride_head;
+  const int64_t* starts;          // virtual mode: [batch] first row of each request, or nullptr
+  const int32_t* table;           // paged mode: [batch, table_stride] block table, or nullptr
+  int64_t table_stride, block_size;
+  const int32_t* seq_lens;        // [batch] cached tokens + the new one
+  float scale;
+};
+
+}  // extern "C"
+
+namespace {
+
+using namespace vmkv;
+using quant::kBlock;
+using quant::kGroup;
+using quant::QActs;
+
+constexpr int kAttentionPart = 2;   // the profiling counter of decode_layers' attention calls
+constexpr int64_t kSmallRows = 64;  // up to this many rows: the groups split over the threads
+constexpr int64_t kTileRows = 64;   // rows per tile beyond it (prefill)
+
+// Group g of w: its first record, format, first output column and live columns.
+struct GroupRef {
+  const uint8_t* rec;
+  int32_t format;
+  int64_t n0, cols;
+};
+
+int64_t segment_groups(const VmkvQSegment& s) { return (s.rows + kGroup - 1) / kGroup; }
+
+int64_t num_groups(const VmkvQLinear& w) {
+  int64_t g = 0;
+  for (int64_t i = 0; i < w.num_segments; ++i) g += segment_groups(w.segments[i]);
+  return g;
+}
+
+GroupRef group_ref(const VmkvQLinear& w, int64_t g) {
+  int64_t n0 = 0;
+  for (int64_t i = 0;; ++i) {
+    const VmkvQSegment& s = w.segments[i];
+    const int64_t groups = segment_groups(s);
+    if (g < groups || i + 1 == w.num_segments) {
+      const int64_t record = quant::record_bytes(s.format);
+      return {static_cast<const uint8_t*>(s.packed) + g * (w.in_features / kBlock) * record,
+              s.format, n0 + g * kGroup, std::min(kGroup, s.rows - g * kGroup)};
+    }
+    g -= groups;
+    n0 += s.rows;
+  }
+}
+
+bool bad_linear(const VmkvQLinear& w, int64_t in, int64_t out) {
+  if (w.in_features != in || w.out_features != out || in <= 0 || in % kBlock != 0 ||
+      w.num_segments < 1 || w.num_segments > 3) {
+    return true;
+  }
+  int64_t rows = 0;
+  for (int64_t i = 0; i < w.num_segments; ++i) {
+    const VmkvQSegment& s = w.segments[i];
+    if (s.packed == nullptr || s.rows <= 0 || quant::record_bytes(s.format) == 0 ||
+        (i + 1 < w.num_segments && s.rows % kGroup != 0)) {
+      return true;
+    }
+    rows += s.rows;
+  }
+  return rows != out;
+}
+
+// The calling thread's buffer for quantised activations (grown, never shrunk).
+QActs quantized(int64_t m, int64_t k) {
+  thread_local std::vector<char> buffer;
+  const size_t need = static_cast<size_t>(quant::qacts_bytes(m, k)) + 64;
+  if (buffer.size() < need) buffer.resize(need);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  return quant::qacts_in(aligned, m, k);
+}
+
+// x [m, k] (row stride ldx) quantised into the calling thread's buffer.
+template <typename T>
+QActs quantize(const T* x, int64_t ldx, int64_t m, int64_t k) {
+  const QActs a = quantized(m, k);
+#pragma omp parallel for schedule(static) if (m >= kParallelRows)
+  for (int64_t r = 0; r < m; ++r) quant::quantize_rows(x, ldx, r, r + 1, a);
+  return a;
+}
+
+// Runs task(m0, rows, group, c) for every (row tile, group) of an m-row product over the OpenMP
+// team, c a float32 scratch tile [tile rows][16]. Few rows: one tile, groups split over the
+// threads (each streams a contiguous share of the weight); many: tiles of kTileRows, each
+// thread's tasks tile by tile.
+template <typename Task>
+void for_each_group(int64_t m, int64_t groups, Task&& task) {
+  const int64_t tiles = m > kSmallRows ? (m + kTileRows - 1) / kTileRows : 1;
+  const int64_t tile_rows = (m + tiles - 1) / tiles, tasks = tiles * groups;
+#pragma omp parallel if (tasks > 1)
+  {
+    std::vector<float> scratch(static_cast<size_t>(2 * tile_rows * kGroup));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t m0 = (t / groups) * tile_rows;
+      if (m0 < m) task(m0, std::min(tile_rows, m - m0), t % groups, scratch.data());
+    }
+  }
+}
+
+enum class Store { kRounded, kResidual, kFloat };
+
+// out[m, N] (row stride ldo) from the quantised activations a times w^T, each tile row stored by S.
+template <Store S, typename T, typename Out>
+void linear(const VmkvQLinear& w, const QActs& a, int64_t m, Out* out, int64_t ldo) {
+  const T* bias = static_cast<const T*>(w.bias);
+  const int64_t nb = w.in_features / kBlock;
+  for_each_group(m, num_groups(w), [&](int64_t m0, int64_t rows, int64_t g, float* c) {
+    const GroupRef ref = group_ref(w, g);
+    quant::group_product(ref.format, ref.rec, nb, a, m0, rows, c, kGroup);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* cr = c + r * kGroup;
+      Out* o = out + (m0 + r) * ldo + ref.n0;
+      if constexpr (S == Store::kRounded) {
+        store_rounded(cr, bias, ref.n0, ref.cols, o);
+      } else if constexpr (S == Store::kResidual) {
+        add_rounded(cr, bias, ref.n0, ref.cols, o);
+      } else {
+        for (int64_t i = 0; i < ref.cols; ++i) o[i] = cr[i] + bias_at(bias, ref.n0 + i);
+      }
+    }
+  });
+}
+
+// act[m, I] = silu(h Wg^T) * (h Wu^T), rounded as transformers does: gate group j and up group
+// j + I / 16 in one task.
+template <typename T>
+void gate_up_act(const VmkvQLinear& w, const QActs& a, int64_t m, int64_t inter, T* act) {
+  const int64_t pairs = inter / kGroup, nb = w.in_features / kBlock;
+  const T* bias = static_cast<const T*>(w.bias);
+  const T* bias_up = bias != nullptr ? bias + inter : nullptr;
+  for_each_group(m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+    float* up = c + rows * kGroup;
+    const GroupRef gate = group_ref(w, j), upr = group_ref(w, pairs + j);
+    quant::group_product(gate.format, gate.rec, nb, a, m0, rows, c, kGroup);
+    quant::group_product(upr.format, upr.rec, nb, a, m0, rows, up, kGroup);
+    for (int64_t r = 0; r < rows; ++r) {
+      silu_mul_rounded(c + r * kGroup, up + r * kGroup, bias, bias_up, j * kGroup, kGroup,
+                       act + (m0 + r) * inter + j * kGroup);
+    }
+  });
+}
+
+bool bad_layer(const VmkvQShape* s, const VmkvQLayer* w, int64_t t) {
+  if (s == nullptr || w == nullptr || t < 0 || s->head_dim % 2 != 0 ||
+      s->intermediate % kGroup != 0) {
+    return true;
+  }
+  const int64_t q = s->num_heads * s->head_dim, kv = s->num_kv_heads * s->head_dim;
+  return bad_linear(w->qkv, s->hidden, q + 2 * kv) || bad_linear(w->o, q, s->hidden) ||
+         bad_linear(w->gate_up, s->hidden, 2 * s->intermediate) ||
+         bad_linear(w->down, s->intermediate, s->hidden);
+}
+
+template <typename T>
+int linear_entry(const VmkvQLinear* w, const T* a, int64_t lda, int64_t m, void* out,
+                 int64_t ldo, bool rounded, int64_t* ns) {
+  if (w == nullptr || bad_linear(*w, w->in_features, w->out_features) || m < 0 ||
+      lda < w->in_features || ldo < w->out_features) {
+    return 1;
+  }
+  if (m == 0) return 0;
+  Lap lap(ns);
+  const QActs q = quantize(a, lda, m, w->in_features);
+  if (rounded) {
+    linear<Store::kRounded, T>(*w, q, m, static_cast<T*>(out), ldo);
+  } else {
+    linear<Store::kFloat, T>(*w, q, m, static_cast<float*>(out), ldo);
+  }
+  lap(kGemmPart);
+  return 0;
+}
+
+template <typename T>
+int embed_entry(const VmkvQLinear* w, const int64_t* ids, int64_t t, T* out) {
+  if (w == nullptr || w->num_segments != 1 || bad_linear(*w, w->in_features, w->out_features) ||
+      t < 0 || (t > 0 && (ids == nullptr || out == nullptr))) {
+    return 1;
+  }
+  for (int64_t i = 0; i < t; ++i) {
+    if (ids[i] < 0 || ids[i] >= w->out_features) return 1;
+  }
+  const VmkvQSegment& s = w->segments[0];
+  const int64_t nb = w->in_features / kBlock, record = quant::record_bytes(s.format);
+#pragma omp parallel for schedule(static) if (t >= kParallelRows)
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t g = ids[i] / kGroup, n = ids[i] % kGroup;
+    const uint8_t* rec = static_cast<const uint8_t*>(s.packed) + g * nb * record;
+    for (int64_t b = 0; b < nb; ++b, rec += record) {
+      for (int64_t e = 0; e < kBlock; ++e) {
+        out[i * w->in_features + b * kBlock + e] =
+            from_float<T>(quant::weight_at(s.format, rec, n, e));
+      }
+    }
+  }
+  return 0;
+}
+
+template <typename T>
+int attn_in(const VmkvQShape* s, const VmkvQLayer* w, const T* x, int64_t t, const T* cos,
+            const T* ssin, T* h, T* qkv) {
+  if (bad_layer(s, w, t)) return 1;
+  if (t == 0) return 0;
+  const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+  Lap lap(s->ns);
+  rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
+  lap(kElementwisePart);
+  linear<Store::kRounded, T>(w->qkv, quantize(h, s->hidden, t, s->hidden), t, qkv, width);
+  lap(kGemmPart);
+  rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
+  lap(kElementwisePart);
+  return 0;
+}
+
+template <typename T>
+int attn_out(const VmkvQShape* s, const VmkvQLayer* w, T* x, int64_t t, const T* attn,
+             int64_t attn_stride, T* h, T* act) {
+  const int64_t q = s != nullptr ? s->num_heads * s->head_dim : 0;
+  if (bad_layer(s, w, t) || attn_stride < q) return 1;
+  if (t == 0) return 0;
+  const int64_t hidden = s->hidden, inter = s->intermediate;
+  Lap lap(s->ns);
+  linear<Store::kResidual, T>(w->o, quantize(attn, attn_stride, t, q), t, x, hidden);
+  lap(kGemmPart);
+  rms_norm(x, static_cast<const T*>(w->post_norm), t, hidden, s->eps, h);
+  lap(kElementwisePart);
+  gate_up_act(w->gate_up, quantize(h, hidden, t, hidden), t, inter, act);
+  linear<Store::kResidual, T>(w->down, quantize(act, inter, t, inter), t, x, hidden);
+  lap(kGemmPart);
+  return 0;
+}
+
+// Every layer of a pure-decode step (t requests, one token each): attn_in, the decode kernel
+// through d, attn_out, layer after layer, with no return to Python.
+template <typename T>
+int decode_layers(const VmkvQShape* s, const VmkvQLayer* layers, int64_t num_layers, T* x,
+                  int64_t t, const T* cos, const T* ssin, T* h, T* qkv, T* attn, T* act,
+                  const VmkvQDecode* d) {
+  if (s == nullptr || layers == nullptr || d == nullptr || d->attention == nullptr ||
+      num_layers < 1) {
+    return 1;
+  }
+  const int64_t hq = s->num_heads, hkv = s->num_kv_heads, dim = s->head_dim;
+  const int64_t width = (hq + 2 * hkv) * dim;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    if (int err = attn_in(s, layers + l, x, t, cos, ssin, h, qkv)) return err;
+    if (t > 0) {
+      Lap lap(s->ns);
+      const int err = d->attention(
+          static_cast<int>(d->dtype), qkv, width, dim, d->k[l], d->v[l], d->stride_row,
+          d->stride_head, d->starts, d->table, d->table_stride, d->block_size, d->seq_lens, t,
+          hq, hkv, dim, d->scale, attn, hq * dim, dim, qkv + hq * dim, width, dim,
+          qkv + (hq + hkv) * dim, width, dim, d->windows != nullptr ? d->windows[l] : 0);
+      lap(kAttentionPart);
+      if (err) return 3;
+    }
+    if (int err = attn_out(s, layers + l, x, t, attn, hq * dim, h, act)) return err;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which code path this build runs: "avx512-vnni", "avx2" or "portable".
+const char* vmkv_q_path() { return VMKV_QUANT_PATH; }
+
+// out [m, N] (row stride ldo) = a [m, K] (row stride lda) W^T (+ b): float32 when out_rounded is
+// 0, else the activations' type (rounded once). ns: nullptr or the profiling counters.
+int vmkv_qf32_linear(const VmkvQLinear* w, const float* a, int64_t lda, int64_t m, void* out,
+                     int64_t ldo, int out_rounded, int64_t* ns) {
+  return linear_entry(w, a, lda, m, out, ldo, out_rounded != 0, ns);
+}
+
+int vmkv_qbf16_linear(const VmkvQLinear* w, const bf16* a, int64_t lda, int64_t m, void* out,
+                      int64_t ldo, int out_rounded, int64_t* ns) {
+  return linear_entry(w, a, lda, m, out, ldo, out_rounded != 0, ns);
+}
+
+// out [t, K] = the rows ids [t] of a one-segment linear's weight (an embedding table [V, K]).
+int vmkv_qf32_embed(const VmkvQLinear* w, const int64_t* ids, int64_t t, float* out) {
+  return embed_entry(w, ids, t, out);
+}
+
+int vmkv_qbf16_embed(const VmkvQLinear* w, const int64_t* ids, int64_t t, bf16* out) {
+  return embed_entry(w, ids, t, out);
+}
+
+// x [t, hidden] (read), cos/signed_sin [t, head_dim]; writes h [t, hidden] (scratch) and
+// qkv [t, (Hq + 2 Hkv) * D] with RoPE applied to its q and k heads.
+int vmkv_qf32_attn_in(const VmkvQShape* s, const VmkvQLayer* w, const float* x, int64_t t,
+                      const float* cos, const float* ssin, float* h, float* qkv) {
+  return attn_in(s, w, x, t, cos, ssin, h, qkv);
+}
+
+int vmkv_qbf16_attn_in(const VmkvQShape* s, const VmkvQLayer* w, const bf16* x, int64_t t,
+                       const bf16* cos, const bf16* ssin, bf16* h, bf16* qkv) {
+  return attn_in(s, w, x, t, cos, ssin, h, qkv);
+}
+
+// x [t, hidden] updated in place by the attention output attn [t, Hq * D] (row stride
+// attn_stride) and the MLP; h [t, hidden] and act [t, intermediate] are scratch.
+int vmkv_qf32_attn_out(const VmkvQShape* s, const VmkvQLayer* w, float* x, int64_t t,
+                       const float* attn, int64_t attn_stride, float* h, float* act) {
+  return attn_out(s, w, x, t, attn, attn_stride, h, act);
+}
+
+int vmkv_qbf16_attn_out(const VmkvQShape* s, const VmkvQLayer* w, bf16* x, int64_t t,
+                        const bf16* attn, int64_t attn_stride, bf16* h, bf16* act) {
+  return attn_out(s, w, x, t, attn, attn_stride, h, act);
+}
+
+// A pure-decode step's decoder stack in one call (decode_layers above): x [t, hidden] (the
+// embedded tokens, updated in place to the last layer's output), cos/signed_sin [t, head_dim],
+// scratch h, qkv, attn [t, Hq * D] and act. Returns 0, 1 on bad arguments, 3 when the attention
+// kernel refused its arguments.
+int vmkv_qf32_decode_layers(const VmkvQShape* s, const VmkvQLayer* layers, int64_t num_layers,
+                            float* x, int64_t t, const float* cos, const float* ssin, float* h,
+                            float* qkv, float* attn, float* act, const VmkvQDecode* d) {
+  return decode_layers(s, layers, num_layers, x, t, cos, ssin, h, qkv, attn, act, d);
+}
+
+int vmkv_qbf16_decode_layers(const VmkvQShape* s, const VmkvQLayer* layers, int64_t num_layers,
+                             bf16* x, int64_t t, const bf16* cos, const bf16* ssin, bf16* h,
+                             bf16* qkv, bf16* attn, bf16* act, const VmkvQDecode* d) {
+  return decode_layers(s, layers, num_layers, x, t, cos, ssin, h, qkv, attn, act, d);
+}
+
+}  // extern "C"
