@@ -214,3 +214,31 @@ def test_quantization_choices(tmp_path) -> None:  # noqa: ANN001
         load_model(tmp_path, quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be"):
         load_model(tmp_path, quantization="fp4")
+
+
+def test_int8_weights_per_output_channel(tmp_path) -> None:  # noqa: ANN001
+    """--quantization int8 | w8a8 on an HF folder: every decoder linear quantized per output
+    channel (codes round(w / s), s = fp16(max|w| / 127)); int8 in the quantized kernels'
+    layout (its blocks dequantize to exactly s * codes), w8a8 through torch's _int_mm with
+    per-token activations; both within int8's resolution of the float32 linear."""
+    from vmkv.models.quant.int8 import W8A8Linear, channel_int8, int8_tensor
+
+    w = torch.randn(48, 64) * 0.05
+    codes, scale = channel_int8(w)
+    assert codes.abs().max() <= 127 and scale.dtype == torch.float16
+    t = int8_tensor(w)
+    back = gguf.dequantize(unpack(t.packed, t.ggml_type, t.rows, t.in_features),
+                           gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(back, (codes.float() * scale.float()[:, None]).numpy())
+    x = torch.randn(5, 64)
+    exact = x @ w.t()
+    dense = torch.nn.Linear(64, 48, bias=False)
+    dense.weight.data = w
+    for lin in (QuantLinear([t]), W8A8Linear(dense)):
+        assert (lin(x) - exact).abs().max() <= 0.02 * exact.abs().max()
+    save_tiny_llama(tmp_path, bias=True)
+    for mode, kind in (("int8", QuantLinear), ("w8a8", W8A8Linear)):
+        model, cfg = load_model(tmp_path, quantization=mode)
+        assert all(isinstance(lin, kind) for layer in model.layers
+                   for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        assert not isinstance(model.lm_head, kind)

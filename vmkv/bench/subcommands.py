@@ -178,6 +178,17 @@ def cmd_bench_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_accuracy(args: argparse.Namespace) -> int:
+    from vmkv.bench import accuracy, common
+
+    result = accuracy.run(args.variants.split(","), args.reference, model=args.model,
+                          texts=args.text, positions=args.positions, chunk=args.chunk,
+                          kv_mode=args.kv_mode)
+    result = {"bench": "accuracy", "options": common.options(args), **result}
+    common.finish(result, result["rows"], accuracy.COLUMNS, args.json)
+    return 0
+
+
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     from vmkv.bench import common, startup
 
@@ -320,6 +331,23 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.set_defaults(func=cmd_bench_profile)
+
+    p = bench.add_parser("accuracy", help="teacher-forced top-1 agreement and perplexity of "
+                                          "weight formats against a reference, through the engine")
+    add_model_arg(p)
+    p.add_argument("--variants", default="gguf:float32,gguf:bfloat16,int8:float32,w8a8:float32",
+                   help="comma-separated quantization[:dtype] to score")
+    p.add_argument("--reference", default="none:float32",
+                   help="the variant the others are compared with (default: the dequantized "
+                        "float32 model)")
+    p.add_argument("--text", action="append", metavar="FILE",
+                   help="text to score (repeatable; default: docs/ARCHITECTURE.md and "
+                        "docs/models.md)")
+    p.add_argument("--positions", type=int, default=2000, help="scored positions, at least")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per scored prompt")
+    p.add_argument("--kv-mode", choices=("virtual", "paged"), default="virtual")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=cmd_bench_accuracy)
 
     p = bench.add_parser("study", help="the address-translation study of this machine: "
                                        "every part, report, figures and JSON in one folder")

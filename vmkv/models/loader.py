@@ -27,6 +27,7 @@ from vmkv.models.gguf_cache import gguf_source
 from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
 from vmkv.models.quant.gguf_weights import GGUFWeights, load_gguf_model, native_unavailable
+from vmkv.models.quant.int8 import INT8_MODES, quantize_linears
 from vmkv.models.sharding import shard_config, shard_state
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     keeps ``F.linear``. ``tensor_parallel = (rank, size)``: only that rank's shard
     (:mod:`vmkv.models.sharding`). ``quantization``: "none" (the checkpoint's weights in
     ``dtype``), "gguf" (a GGUF model's linears in the file's own block formats,
-    :mod:`vmkv.models.quant.gguf_weights`; ValueError where that cannot run), or "auto" (gguf
-    where it can run, else none). Returns the model and the whole model's config
+    :mod:`vmkv.models.quant.gguf_weights`; ValueError where that cannot run), "auto" (gguf
+    where it can run, else none), "int8" or "w8a8" (the decoder linears quantized per output
+    channel at load, :mod:`vmkv.models.quant.int8`). Returns the model and the whole model's
+    config
     (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
@@ -146,8 +149,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
         if model is not None:
             pack_linears(model, linear_backend)  # any linear the file holds in another format
             return model, cfg
-    elif quantization != "none":
-        raise ValueError(f"quantization must be auto, none or gguf here, got {quantization!r}")
+    elif quantization not in ("none", *INT8_MODES):
+        raise ValueError(f"quantization must be one of auto, none, gguf, {', '.join(INT8_MODES)}"
+                         f", got {quantization!r}")
+    elif quantization != "none" and (device.type != "cpu"
+                                     or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"--quantization {quantization} runs on the CPU in float32 or bfloat16, "
+                         f"not {dtype} on {device.type}")
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         tensors.update((name, t.to(device=device, dtype=dtype))
@@ -160,6 +168,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,
                 _num_params(model), cfg.num_layers, path, dtype, device)
+    if quantization in INT8_MODES:
+        logger.info("quantized %d decoder linears to %s", quantize_linears(model, quantization),
+                    quantization)
     pack_linears(model, linear_backend)
     return model, cfg
 

@@ -194,18 +194,24 @@ def load_gguf_model(weights: GGUFWeights, cfg: ModelConfig, dtype: torch.dtype) 
 
 def describe_weights(model: nn.Module) -> str:
     """The weights' formats and resident bytes, for the start-up report and benches: e.g.
-    ``weights: 210 Q4_1 + 1 Q8_0 tensors in their GGUF blocks, bfloat16 activations, 96.6 MB
-    resident``."""
+    ``weights: 210 Q4_1 + 1 Q8_0 tensors in their GGUF blocks, the rest and activations
+    bfloat16, 96.6 MB resident``."""
+    from vmkv.models.quant.int8 import W8A8Linear
+
     formats: Counter[str] = Counter()
     for module in model.modules():
         if isinstance(module, QuantLinear):
             formats.update(module.formats)
+        elif isinstance(module, W8A8Linear):
+            formats["w8a8"] += 1
     dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
     held = f"{weight_bytes(model) / 1e6:,.1f} MB resident"
     if not formats:
         return f"weights: {dtype}, {held}"
     kinds = " + ".join(f"{n} {f}" for f, n in sorted(formats.items()))
-    return f"weights: {kinds} tensors in their GGUF blocks, {dtype} activations, {held}"
+    where = ("in their GGUF blocks" if not {"int8", "w8a8"} & set(formats)
+             else "per output channel")
+    return f"weights: {kinds} tensors {where}, the rest and activations {dtype}, {held}"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -27,6 +27,7 @@ class QuantTensor:
     ggml_type: int
     rows: int
     in_features: int
+    origin: str = "gguf"  # "gguf": a file's tensor; "int8": quantized at load per channel
 
     @classmethod
     def from_gguf(cls, raw, ggml_type: int, in_features: int) -> QuantTensor:
@@ -73,7 +74,8 @@ class QuantLinear(nn.Module):
 
     @property
     def formats(self) -> tuple[str, ...]:
-        return tuple(s.format for s in self.segments)
+        """Each segment's format (``int8`` for weights quantized at load per channel)."""
+        return tuple(s.format if s.origin == "gguf" else s.origin for s in self.segments)
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
