@@ -22,17 +22,39 @@ from vmkv.attention import cpu_batches
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_each
 from vmkv.attention.step import token_positions
+from vmkv.kv.addressing import BlockAddressing, SlotAddressing, by_group
 from vmkv.kv.base import KVCacheManager
+
+
+@dataclass
+class GroupRows:
+    """Where one addressing's (a block group's) rows are: the new rows to write, the decodes
+    and the prefill chunks the kernels take, the rows of the requests left to SDPA."""
+
+    write_rows: torch.Tensor
+    decode: cpu_batches.DecodeBatch | None
+    prefill: cpu_batches.PrefillBatch | None
+    seq_rows: list[slice | torch.Tensor | None]  # None: a kernel attends it
 
 
 @dataclass
 class CpuStepMetadata(AttentionMetadata):
     """A CPU step: the decodes and the prefill chunks the kernels take, and the rows of the
-    requests left to SDPA (None for the kernels' ones)."""
+    requests left to SDPA (None for the kernels' ones); with block groups (paged mode,
+    sliding-window layers) those of each group, layer ``l`` reading ``groups[layer_group[l]]``
+    (the fields above are group 0's)."""
 
     decode: cpu_batches.DecodeBatch | None
     prefill: cpu_batches.PrefillBatch | None
     seq_rows: list[slice | torch.Tensor | None]  # None: a kernel attends it
+    groups: list[GroupRows] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def rows_of(self, layer: int) -> GroupRows | CpuStepMetadata:
+        """The rows ``layer`` reads (this metadata itself with one group)."""
+        if self.layer_group is None or self.groups is None:
+            return self
+        return self.groups[self.layer_group[layer]]
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -59,6 +81,15 @@ class CpuAttentionBackend(AttentionBackend):
         ctx = np.asarray(context_lens, dtype=np.int64).reshape(-1)
         qlens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
         req, pos = token_positions(ctx, qlens)
+        addrs, layer_group = by_group(addr)
+        groups = [self._rows(a, req, pos, context_lens, query_lens) for a in addrs]
+        first = groups[0]
+        return CpuStepMetadata(list(request_ids), list(context_lens), list(query_lens),
+                               first.write_rows, addr, first.decode, first.prefill,
+                               first.seq_rows, groups if layer_group else None, layer_group)
+
+    def _rows(self, addr: SlotAddressing | BlockAddressing, req: np.ndarray, pos: np.ndarray,
+              context_lens: list[int], query_lens: list[int]) -> GroupRows:
         decode = (cpu_batches.decode_batch(addr, context_lens, query_lens)
                   if self.batched_decode else None)
         prefill = (cpu_batches.prefill_batch(addr, context_lens, query_lens)
@@ -70,40 +101,41 @@ class CpuAttentionBackend(AttentionBackend):
                 continue
             rows = addr.sequence_rows(b, c + n)
             seq_rows.append(rows if isinstance(rows, slice) else torch.from_numpy(rows))
-        return CpuStepMetadata(list(request_ids), list(context_lens), list(query_lens),
-                               torch.from_numpy(addr.rows(req, pos)), addr, decode, prefill,
-                               seq_rows)
+        return GroupRows(torch.from_numpy(addr.rows(req, pos)), decode, prefill, seq_rows)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """As the base class; when every request of the step decodes, the decode kernel stores
         the new K/V rows itself, in the same call (no separate write)."""
         assert isinstance(meta, CpuStepMetadata)
-        if meta.decode is None or meta.decode.query_rows is not None:
+        rows = meta.rows_of(layer)
+        if rows.decode is None or rows.decode.query_rows is not None:
             return super().forward(layer, q, k, v, meta, scale)
         k_flat, v_flat = self._flat[layer]
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
-        cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v),
+        cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v),
                                window=self.windows[layer])
         return out
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
+        assert isinstance(meta, CpuStepMetadata)
+        write_rows = meta.rows_of(layer).write_rows
         k_flat, v_flat = self._flat[layer]
-        k_flat.index_copy_(0, meta.write_rows, k)
-        v_flat.index_copy_(0, meta.write_rows, v)
+        k_flat.index_copy_(0, write_rows, k)
+        v_flat.index_copy_(0, write_rows, v)
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float
                ) -> torch.Tensor:
         assert isinstance(meta, CpuStepMetadata)
         k_flat, v_flat = self._flat[layer]
-        window = self.windows[layer]
+        window, rows = self.windows[layer], meta.rows_of(layer)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
-        if meta.decode is not None:
-            cpu_batches.run_decode(meta.decode, q, k_flat, v_flat, out, scale, window=window)
-        if meta.prefill is not None:
-            cpu_batches.run_prefill(meta.prefill, q, k_flat, v_flat, out, scale, window)
-        if any(rows is not None for rows in meta.seq_rows):
+        if rows.decode is not None:
+            cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, window=window)
+        if rows.prefill is not None:
+            cpu_batches.run_prefill(rows.prefill, q, k_flat, v_flat, out, scale, window)
+        if any(r is not None for r in rows.seq_rows):
             attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens,
-                        meta.seq_rows, scale, window)
+                        rows.seq_rows, scale, window)
         return out

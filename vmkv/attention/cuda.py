@@ -133,6 +133,9 @@ class CudaAttentionBackend(AttentionBackend):
         #: each layer's sliding window in tokens (0: full attention)
         self.windows = spec.windows
         self.paged = kv.kv_mode == "paged"
+        if self.paged and any(self.windows):
+            raise ValueError("paged mode's block groups (sliding-window layers) run on the CPU "
+                             "backend; on CUDA use --kv-mode virtual")
         # [outer, inner, Hkv, D] views (virtual: slot 0 is the anchor, always mapped, so every
         # base pointer is) and their [rows, Hkv, D] flattening
         self._views = [kv.layer_kv(i) for i in range(spec.num_layers)]

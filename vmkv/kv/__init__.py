@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from vmkv.config import CPU_GROWTH_TOKENS, HOST_PAGE_SIZE, CacheConfig, default_layout
 from vmkv.kv.base import KVCacheManager, KVUsage
 from vmkv.kv.paged import PagedKVCache
+from vmkv.kv.paged.blocks import block_groups
 from vmkv.kv.spec import LAYOUTS, KVSpec, VirtualLayout
 from vmkv.kv.virtual import VirtualKVCache
+
+logger = logging.getLogger("vmkv")
 
 #: pages a pool that is not pre-created creates at once (one host ``fallocate`` for 16 pages of
 #: one region's partition instead of 16): a cold run of the vLLM workload made 54,000
@@ -29,6 +34,17 @@ __all__ = [
 ]
 
 
+def prefix_caching(config: CacheConfig, spec: KVSpec, gives_back: int) -> bool:
+    """Whether the manager caches prefixes: as configured, except where sliding-window layers
+    give their pages or blocks back (``gives_back``): off then, said in one log line."""
+    if config.enable_prefix_caching and gives_back:
+        logger.warning("prefix caching off: the sliding-window layers (window %d) give back "
+                       "their KV behind the window, so a cached prefix would lack it",
+                       max(spec.windows))
+        return False
+    return config.enable_prefix_caching
+
+
 def create_kv_cache(
     config: CacheConfig, spec: KVSpec, *, num_slots: int, max_model_len: int, device: str = "cpu"
 ) -> KVCacheManager:
@@ -38,14 +54,17 @@ def create_kv_cache(
     not suit the backend.
     """
     if config.kv_mode == "paged":
-        block_bytes = config.block_size * spec.bytes_per_token
+        # a block holds block_size tokens of one block group's layers (all of them without
+        # sliding-window layers)
+        lanes = len(block_groups(spec)[0][0])
+        block_bytes = config.block_size * 2 * lanes * spec.head_bytes
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({config.kv_cache_memory}) holds no block of "
                              f"{block_bytes} B")
         return PagedKVCache(spec, num_blocks=num_blocks, block_size=config.block_size,
                             max_model_len=max_model_len, device=device,
-                            enable_prefix_caching=config.enable_prefix_caching,
+                            enable_prefix_caching=prefix_caching(config, spec, max(spec.windows)),
                             prefix_cache_hash=config.prefix_cache_hash)
 
     from vmkv.memory import PagePool, create_backend, default_vma_budget
@@ -70,7 +89,9 @@ def create_kv_cache(
         precreate=num_pages if config.precreate else 0,
         max_idle_pages=idle_pages,
         max_vmas=default_vma_budget(backend),
-        partitions=layout.num_regions,  # one per region: lockstep growth, adjacent pages
+        # one per region: lockstep growth, adjacent pages; one for all where sliding-window
+        # regions give their pages back (the full regions take them: a shared budget)
+        partitions=1 if layout.drop_window else layout.num_regions,
         create_chunk=1 if config.precreate else CREATE_CHUNK,
     )
     premap = config.premap_pages
@@ -78,7 +99,7 @@ def create_kv_cache(
         premap = max(0, layout.pages_for(CPU_GROWTH_TOKENS) - 1) if device == "cpu" else 0
     kv = VirtualKVCache(spec, pool=pool, num_slots=num_slots, max_model_len=max_model_len,
                         layout=layout_name, premap_pages=premap, max_idle_pages=idle_pages,
-                        enable_prefix_caching=config.enable_prefix_caching,
+                        enable_prefix_caching=prefix_caching(config, spec, layout.drop_window),
                         prefix_cache_hash=config.prefix_cache_hash)
     if config.precreate and device == "cpu" and idle_pages is None:
         kv.warm_idle_slots(WARM_SLOTS_SHARE)

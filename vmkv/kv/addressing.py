@@ -9,6 +9,9 @@ space; a step's addressing says where request ``b``'s token ``t`` lives in it:
     BlockAddressing (paged)    row(b, t) = block_table[b, t // bs] * bs + t % bs
                                outer = block, inner = block_size
 
+With sliding-window layers in paged mode each block group has its own table
+(:class:`GroupedAddressing`; virtual mode keeps one slot per request for every layer).
+
 Kernels get the *index* (slot ids, or the block table) and the 4-D views; the K/V write and the
 SDPA fallback get rows. Built on the host (numpy) once per step by
 ``kv.addressing(request_ids, context_lens)``; padding entries (a CUDA graph's unused batch
@@ -89,4 +92,30 @@ class BlockAddressing:
         return BlockAddressing(np.concatenate([self.block_table, pad]), self.block_size)
 
 
-Addressing = SlotAddressing | BlockAddressing
+@dataclass(frozen=True)
+class GroupedAddressing:
+    """Paged mode with block groups (sliding-window layers): one block table per group;
+    layer ``l`` reads through ``groups[layer_group[l]]``. A sliding group's entries behind its
+    window are ``-1`` (the null block): no kernel reads them."""
+
+    paged: ClassVar[bool] = True
+
+    groups: tuple[BlockAddressing, ...]
+    layer_group: tuple[int, ...]  # [L] block group of each layer
+
+    def __len__(self) -> int:
+        return len(self.groups[0])
+
+    def padded(self, num: int) -> GroupedAddressing:
+        return GroupedAddressing(tuple(g.padded(num) for g in self.groups), self.layer_group)
+
+
+Addressing = SlotAddressing | BlockAddressing | GroupedAddressing
+
+
+def by_group(addr: Addressing) -> tuple[tuple[SlotAddressing | BlockAddressing, ...],
+                                          tuple[int, ...] | None]:
+    """(the addressing of each group, each layer's group or None: one group for all)."""
+    if isinstance(addr, GroupedAddressing):
+        return addr.groups, addr.layer_group
+    return (addr,), None

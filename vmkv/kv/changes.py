@@ -115,6 +115,15 @@ class UnmapPages:
 
 
 @dataclass(slots=True)
+class DropPages:
+    """Unmap ``num`` pages at ``va_page`` in the sliding-window regions only (behind every
+    window: back to the pool)."""
+
+    va_page: int
+    num: int
+
+
+@dataclass(slots=True)
 class CopyPage:
     """Copy-on-write: ``va_page`` gets ``pages[r]`` (fresh) in region ``r``, with its data
     (``None``: free pool pages of the applier's choice, logged with the pages it took)."""
@@ -143,11 +152,13 @@ class TrimPool:
 
 @dataclass(slots=True)
 class SetTable:
-    """``request_id``'s block table from index ``start`` on is ``blocks``."""
+    """``request_id``'s block table (of block group ``group``) from index ``start`` on is
+    ``blocks``."""
 
     request_id: str
     start: int
     blocks: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -159,7 +170,7 @@ class CopyBlock:
 
 
 KVChange = (Tokens | Forget | SwapOut | SwapIn | DropSwapped | Place | MapFresh | MapPages
-            | UnmapPages | CopyPage | HoldPages | TrimPool | SetTable | CopyBlock)
+            | UnmapPages | DropPages | CopyPage | HoldPages | TrimPool | SetTable | CopyBlock)
 
 
 def _leaves_a_choice(change: KVChange) -> bool:

@@ -2,10 +2,14 @@
 
 Virtual layouts (``[slot, token, ...]``: one fixed slot of ``slot_tokens`` per request):
 
-    per-layer   2*L regions, region 2*l+kv is [slot, token, kv_head, head_dim]
-                (one growth step maps a page in every region: 2*L maps)
+    per-layer   2*L regions, region 2*r+kv is [slot, token, kv_head, head_dim] of the r-th
+                layer in region order: full-attention layers first, then sliding-window ones
+                (one growth step maps a page in every region: 2*L maps); the sliding layers'
+                regions give back the whole pages behind their window (``drop_window``)
     all-layers  1 region [slot, token, layer, k|v, kv_head, head_dim]
-                (one growth step maps one page that covers a few tokens of every layer)
+                (one growth step maps one page that covers a few tokens of every layer; a page
+                holds every layer's share, so none can be given back before the request ends:
+                the kernels still apply the windows, the memory stays)
 
 Either way a layer's K (or V) handed to attention is a strided ``[slot, token, kv_head,
 head_dim]`` view of the same memory, never a copy. ``slot_tokens`` is ``max_model_len`` rounded
@@ -114,6 +118,34 @@ class VirtualLayout:
         return 2 * self.spec.num_layers if self.name == "per-layer" else 1
 
     @cached_property
+    def layer_order(self) -> tuple[int, ...]:
+        """Layers in region order: full-attention layers first, then sliding-window ones (the
+        layer order where no layer slides)."""
+        windows = self.spec.windows
+        return tuple(sorted(range(self.spec.num_layers), key=lambda i: (windows[i] > 0, i)))
+
+    @cached_property
+    def drop_window(self) -> int:
+        """Tokens the sliding layers' regions keep behind a step's first token (their largest
+        window), 0 where no region gives pages back (no sliding layer, or the all-layers
+        layout)."""
+        return max(self.spec.windows) if self.name == "per-layer" else 0
+
+    @cached_property
+    def num_full_regions(self) -> int:
+        """Regions that keep every token (the first ones); the rest give back pages behind
+        :attr:`drop_window`."""
+        if not self.drop_window:
+            return self.num_regions
+        return 2 * sum(1 for w in self.spec.windows if w == 0)
+
+    def first_kept_page(self, num_tokens: int) -> int:
+        """The first page a sliding region needs for a step after ``num_tokens`` cached tokens
+        (the page of the window's first token); every page before it may be given back."""
+        window = self.drop_window
+        return self.first_page_of(max(0, num_tokens - window + 1)) if window else 0
+
+    @cached_property
     def row_bytes(self) -> int:
         """Bytes one token occupies in one region."""
         spec = self.spec
@@ -159,6 +191,8 @@ class VirtualLayout:
         typed = [r.view(spec.dtype) for r in regions]
         if self.name == "per-layer":
             shaped = [r.view(num_slots, t, h, d) for r in typed]
-            return [(shaped[2 * i], shaped[2 * i + 1]) for i in range(spec.num_layers)]
+            position = {layer: r for r, layer in enumerate(self.layer_order)}
+            return [(shaped[2 * position[i]], shaped[2 * position[i] + 1])
+                    for i in range(spec.num_layers)]
         kv = typed[0].view(num_slots, t, spec.num_layers, 2, h, d)
         return [(kv[:, :, i, 0], kv[:, :, i, 1]) for i in range(spec.num_layers)]

@@ -1,11 +1,46 @@
-"""Paged mode's bookkeeping: the block pool (reference counts, a FIFO free queue) and numpy
-mirrors of the block tables."""
+"""Paged mode's bookkeeping: the block pool (reference counts, a FIFO free queue), numpy
+mirrors of the block tables, and the block groups of a model with sliding-window layers.
+
+Block groups (vLLM's hybrid KV cache manager's rule): the layers are split into groups of
+``lanes`` layers each (the greatest common divisor of the layer groups' sizes), every group
+has its own block table per request, and all of them draw from one pool of blocks of ``lanes``
+layers: block ``b`` of a group is row ``b`` of the ``[lanes, k|v, num_blocks, ...]`` tensor,
+its layer ``j`` in lane ``j``. A full-attention group keeps every block; a sliding group gives
+back the blocks behind its window (its table then holds :data:`NULL_BLOCK` there), which a
+full group may take next.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
+
+from vmkv.kv.spec import KVSpec
+
+#: a block table entry that holds nothing (a sliding group's block behind its window)
+NULL_BLOCK = -1
+
+
+def block_groups(spec: KVSpec) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """``(layers, window)`` of every block group (window 0: full attention): each layer group
+    of ``spec`` split into groups of ``lanes`` layers, full ones first. One group of every
+    layer where no layer slides."""
+    if not any(spec.windows):
+        return ((tuple(range(spec.num_layers)), 0),)
+    lanes = math.gcd(*(len(g.layers) for g in spec.groups))
+    out = []
+    for group in sorted(spec.groups, key=lambda g: g.sliding_window or 0):
+        layers = sorted(group.layers)
+        out += [(tuple(layers[i : i + lanes]), group.sliding_window or 0)
+                for i in range(0, len(layers), lanes)]
+    return tuple(out)
+
+
+def first_live(table: list[int]) -> int:
+    """Index of a table's first block that is not :data:`NULL_BLOCK`."""
+    return next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
 
 
 class BlockPool:

@@ -1,8 +1,10 @@
 """What a paged cache's tensor-parallel ranks share, and the one place that changes it.
 
     PagedState (the manager's ``changes`` part)
-      kv            [layer, k|v, num_blocks, block_size, kv_head, head_dim] this rank's bytes
-      block_tables  request -> block ids (lists: the truth; ``tables`` mirrors them in numpy)
+      kv            [lane, k|v, num_blocks, block_size, kv_head, head_dim] this rank's bytes
+                    (lanes = layers without sliding-window layers; see blocks.block_groups)
+      block_tables  request -> block ids (lists: the truth; ``tables`` mirrors them in numpy),
+                    one dict per block group (``group_tables``; ``block_tables`` is group 0's)
       tokens        tokens of room per request
       commit(change) ─▶ _apply_one: SetTable, Tokens, Forget, CopyBlock, SwapOut, SwapIn,
                         DropSwapped
@@ -26,7 +28,7 @@ from vmkv.kv.changes import (
     SwapOut,
     Tokens,
 )
-from vmkv.kv.paged.blocks import BlockPool, BlockTableMirror
+from vmkv.kv.paged.blocks import BlockPool, BlockTableMirror, block_groups, first_live
 from vmkv.kv.spec import KVSpec
 from vmkv.kv.swap import host_copy
 
@@ -41,41 +43,64 @@ class PagedState(ChangeLog):
         self.spec = spec
         self.block_size = block_size
         self.device = device
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        #: (layers, window) of each block group; one group of every layer without windows
+        self.groups = block_groups(spec)
+        self.lanes = len(self.groups[0][0])
+        shape = (self.lanes, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.block_tables: dict[str, list[int]] = {}
-        self.tables = BlockTableMirror(self.block_tables)
+        self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.groups]
+        self.block_tables = self.group_tables[0]
+        self.mirrors = [BlockTableMirror(tables) for tables in self.group_tables]
+        self.tables = self.mirrors[0]
+        #: layer -> (block group, lane)
+        self.lane_of = {layer: (g, j) for g, (layers, _) in enumerate(self.groups)
+                        for j, layer in enumerate(layers)}
         self.tokens: dict[str, int] = {}
         self.saved: dict[str, list[torch.Tensor]] = {}  # swapped-out KV between its two changes
+        self._saved_starts: dict[str, tuple[int, ...]] = {}  # each group's first block, saved
 
     def swap_where(self, request_id: str) -> tuple[int, ...]:
-        """The blocks holding ``request_id``'s tokens."""
-        return tuple(self.block_tables[request_id])
+        """The blocks holding ``request_id``'s tokens, group after group (a sliding group's
+        from its first live block; swapping in: from where the saved ones started)."""
+        if len(self.groups) == 1:
+            return tuple(self.block_tables[request_id])
+        starts = self._saved_starts.get(request_id) if request_id in self.saved else None
+        blocks: list[int] = []
+        for g, tables in enumerate(self.group_tables):
+            table = tables[request_id]
+            blocks += table[starts[g] if starts is not None else first_live(table):]
+        return tuple(blocks)
 
     def _apply_one(self, change: KVChange) -> KVChange | None:
         match change:
             case Tokens():  # every request, every step: first, and no field captures
                 self.tokens[change.request_id] = change.num_tokens
-            case SetTable(request_id, start, blocks):
-                table = self.block_tables.setdefault(request_id, [])
+            case SetTable(request_id, start, blocks, group):
+                table = self.group_tables[group].setdefault(request_id, [])
                 del table[start:]
                 table.extend(blocks)
             case Forget(request_id):
-                del self.block_tables[request_id], self.tokens[request_id]
-                self.tables.forget(request_id)
+                del self.tokens[request_id]
+                for tables, mirror in zip(self.group_tables, self.mirrors, strict=True):
+                    del tables[request_id]
+                    mirror.forget(request_id)
             case CopyBlock(src, dst):
                 self.kv[:, :, dst].copy_(self.kv[:, :, src])  # one block, every layer
             case SwapOut(request_id, blocks):
+                self._saved_starts[request_id] = tuple(
+                    first_live(tables[request_id]) for tables in self.group_tables)
                 index = torch.tensor(blocks, device=self.device)
                 self.saved[request_id] = [host_copy(self.kv.index_select(2, index),
                                                     owned=True)]  # [L, 2, blocks, bs, H, D]
             case SwapIn(request_id, blocks):
                 index = torch.tensor(blocks, device=self.device)
                 (data,) = self.saved.pop(request_id)
+                self._saved_starts.pop(request_id, None)
                 self.kv.index_copy_(2, index, data.to(self.device, non_blocking=True))
             case DropSwapped(request_ids):
                 for request_id in request_ids:
                     self.saved.pop(request_id, None)
+                    self._saved_starts.pop(request_id, None)
             case _:
                 raise ValueError(f"a paged KV cache cannot apply {change!r}")
         return change

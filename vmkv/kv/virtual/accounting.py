@@ -9,6 +9,7 @@ from vmkv.kv.accounting import KVAccounting, KVUsage
 from vmkv.kv.prefix import PrefixCaching
 from vmkv.kv.virtual.idle import IdlePages
 from vmkv.kv.virtual.state import VirtualState
+from vmkv.memory.region import UNMAPPED
 
 
 class VirtualAccounting(KVAccounting):
@@ -37,7 +38,9 @@ class VirtualAccounting(KVAccounting):
         if va_pages:  # vectorised over requests and regions (this runs every benchmark step)
             va, lv = np.concatenate(va_pages), np.concatenate(live)
             phys = np.concatenate([region.page_at[va] for region in regions])
-            np.maximum.at(useful, phys, np.tile(lv, len(regions)))  # shared: the largest
+            lv = np.tile(lv, len(regions))
+            kept = phys != UNMAPPED  # a sliding region's dropped head holds nothing
+            np.maximum.at(useful, phys[kept], lv[kept])  # shared: the largest
         cached = 0
         if self._caching is not None:  # held by the cache alone, or also mapped in an idle slot
             idle = {int(p) for s in slots.idle for p in regions[0].page_at[
@@ -60,8 +63,16 @@ class VirtualAccounting(KVAccounting):
 
     @property
     def capacity_tokens(self) -> int:
+        """The longest request the pool holds alone (the sliding regions at a window and a
+        step of a window, where they give pages back)."""
         state = self._state
-        return state.layout.tokens_in(state.pool.num_pages // len(state.regions))
+        layout, regions, keep = state.layout, len(state.regions), state.regions.keep
+        if keep == regions:
+            return layout.tokens_in(state.pool.num_pages // regions)
+        sliding = (regions - keep) * layout.pages_for(2 * layout.drop_window)
+        if keep == 0:
+            return layout.slot_tokens if sliding <= state.pool.num_pages else 0
+        return layout.tokens_in(max(0, state.pool.num_pages - sliding) // keep)
 
     def describe(self) -> str:
         state = self._state
@@ -91,7 +102,7 @@ class VirtualAccounting(KVAccounting):
         for rid, slot in state.slots.slot_of.items():
             assert state.slots.mapped[slot] >= state.layout.pages_for(state.tokens[rid]), rid
         assert set(state.tokens) == set(state.slots.slot_of), "token counts without a slot"
-        refs = state.regions.check(state.slots.mapped)
+        refs = state.regions.check(state.slots.mapped, state.slots.dropped)
         for pages in self._caching.holds() if self._caching is not None else []:
             for page in pages:
                 refs[page] += 1

@@ -42,6 +42,10 @@ class SlotAllocator:
         slot, grow, cow = self._room.plan(request_id, num_new_tokens)
         if slot is None:
             return False
+        # pages no query of this step or later sees go back (to the OS too, past
+        # max_idle_memory, once this growth took what it reuses)
+        dropped = (state.drop_behind(slot, state.tokens[request_id])
+                   if request_id in slots.slot_of else 0)
         regions = len(state.regions)
         need = (grow + len(cow)) * regions
         if request_id not in slots.slot_of:
@@ -70,6 +74,8 @@ class SlotAllocator:
                 return False
             raise
         state.hold(request_id, slot, state.tokens.get(request_id, 0) + num_new_tokens)
+        if dropped and idle.max_idle_pages is not None:
+            idle.trim()
         return True
 
     def free(self, request_id: str) -> None:
@@ -79,8 +85,10 @@ class SlotAllocator:
         first, mapped = state.first_va_page(slot), state.slots.mapped[slot]
         # an idle slot keeps its pages for the next request to reuse in place, also those the
         # prefix cache holds (that request takes them over); but no page mapped elsewhere too
-        # (a fork, a prefix hit): its next holder would have to copy it
-        if any(idle.mapped_elsewhere(first + p) for p in range(mapped)):
+        # (a fork, a prefix hit): its next holder would have to copy it; nor a slot whose
+        # sliding regions gave back their head (the next request starts at token 0)
+        if state.slots.dropped[slot] or any(idle.mapped_elsewhere(first + p)
+                                            for p in range(mapped)):
             state.unmap_tail(slot, mapped)
         if self._caching is not None:
             self._caching.forget(request_id)
@@ -141,6 +149,9 @@ class VirtualKVCache(KVCacheManager):
         self.device = pool.backend.device
         state = VirtualState(pool, VirtualLayout(layout, spec, pool.page_size, max_model_len),
                              num_slots)
+        if enable_prefix_caching and state.layout.drop_window:
+            raise ValueError("prefix caching cannot serve sliding-window layers that give their "
+                             "pages back (the per-layer layout): a cached prefix would lack them")
         caching = (PrefixCaching(PageUnits(state), prefix_cache_hash) if enable_prefix_caching
                    else None)
         idle = IdlePages(state, caching, max_idle_pages)

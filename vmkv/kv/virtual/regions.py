@@ -5,8 +5,11 @@
     happens in all regions or in none (:meth:`RegionGroup._lockstep` is the one rollback)
 
 Each region is a :class:`~vmkv.memory.region.VirtualRegion` whose first ``anchor_pages`` pages
-are mapped to the backend's anchor page for its lifetime. Their va -> physical tables are the rows
-of one ``[regions, pages]`` array, so a lockstep growth is read and written in one go.
+are mapped to the backend's anchor page for its lifetime. The regions past
+``layout.num_full_regions`` are sliding-window layers': they give back a slot's head pages
+(:meth:`RegionGroup.drop`) and then map ``[dropped, mapped)`` of it only. Their va -> physical
+tables are the rows of one ``[regions, pages]`` array, so a lockstep growth is read and written
+in one go.
 
 With one pool partition per region (the per-layer layout), a growth is *mirrored*: region 0's
 allocation decides, and region ``r`` takes the same pages of its own partition (page ``p`` of
@@ -48,6 +51,8 @@ class RegionGroup:
                           page_at=self.table[i])
             for i in range(layout.num_regions)
         ]
+        #: regions [keep:] are the sliding-window layers' (they may drop a slot's head pages)
+        self.keep = layout.num_full_regions
         # [regions] what a mirrored growth adds to region 0's page ids (None: not mirrored)
         self._mirror = (np.arange(layout.num_regions, dtype=np.int64) * pool.partition_size
                         if per_region and layout.num_regions > 1 else None)
@@ -147,39 +152,55 @@ class RegionGroup:
             raise
 
     def map_shared(self, va_page: int, pages: Sequence[Sequence[int]]) -> bool:
-        """Map ``pages[r]`` (pages already in use) at ``va_page`` of region ``r``; False
-        (nothing changed) when the VMA budget is short."""
+        """Map ``pages[r]`` (pages already in use) at ``va_page`` of region ``r``, from its
+        first page that is not ``UNMAPPED`` on (a sliding region's dropped head stays
+        unmapped); False (nothing changed) when the VMA budget is short."""
         num = len(pages[0])
+        heads = [head_of(row) for row in pages]
 
         def share(r: int, region: VirtualRegion) -> bool:
-            region.map_shared(va_page, pages[r])
+            if heads[r] < num:
+                region.map_shared(va_page + heads[r], list(pages[r])[heads[r]:])
             return True
 
-        return self._lockstep(va_page, num, share)
+        return self._lockstep(va_page, num, share, heads)
 
     def _lockstep(self, va_page: int, num: int,
-                  map_one: Callable[[int, VirtualRegion], bool]) -> bool:
+                  map_one: Callable[[int, VirtualRegion], bool],
+                  heads: Sequence[int] | None = None) -> bool:
         """``map_one(r, region)`` on every region; if one cannot (False or
-        MappingBudgetExceeded), unmap what the others mapped at ``[va_page, va_page+num)`` and
-        return False. Any other ``VmmError`` (the OS or driver refused) is raised after the same
-        rollback."""
-        done: list[VirtualRegion] = []
+        MappingBudgetExceeded), unmap what the others mapped at ``[va_page + heads[r],
+        va_page+num)`` and return False. Any other ``VmmError`` (the OS or driver refused) is
+        raised after the same rollback."""
+        done: list[tuple[VirtualRegion, int]] = []
         try:
             for r, region in enumerate(self.regions):
                 if not map_one(r, region):
                     raise MappingBudgetExceeded("the pool ran short")
-                done.append(region)
+                done.append((region, heads[r] if heads is not None else 0))
         except VmmError as exc:
-            for region in done:  # nothing new was read yet: no synchronize needed
-                rolled_back(lambda region=region: region.unmap(va_page, num))
+            for region, head in done:  # nothing new was read yet: no synchronize needed
+                if head < num:
+                    rolled_back(lambda region=region, head=head: region.unmap(va_page + head,
+                                                                              num - head))
             if isinstance(exc, MappingBudgetExceeded):
                 return False
             raise
         return True
 
-    def unmap(self, va_page: int, num: int) -> None:
-        """Unmap ``num`` pages at ``va_page`` everywhere (the caller synchronized)."""
-        for region in self.regions:
+    def unmap(self, va_page: int, num: int, head: int = 0) -> None:
+        """Unmap ``num`` pages at ``va_page`` everywhere, in the sliding regions only from
+        va page ``head`` on (what they still map; the caller synchronized)."""
+        end = va_page + num
+        for r, region in enumerate(self.regions):
+            lo = max(va_page, head) if r >= self.keep else va_page
+            if lo < end:
+                region.unmap(lo, end - lo)
+
+    def drop(self, va_page: int, num: int) -> None:
+        """Unmap ``num`` pages at ``va_page`` in the sliding regions only: pages behind their
+        window, back to the pool (the caller synchronized)."""
+        for region in self.regions[self.keep :]:
             region.unmap(va_page, num)
 
     def copy_on_write(self, va_page: int, pages: Sequence[int] | None = None
@@ -234,28 +255,33 @@ class RegionGroup:
         """Per region, the physical pages of ``[va_page, va_page+num)``."""
         return self.table[:, va_page : va_page + num].tolist()
 
-    def byte_views(self, va_page: int, num: int) -> list[torch.Tensor]:
-        """Per region, the bytes of ``num`` pages at ``va_page`` (touch only mapped pages)."""
-        ps = self.pool.page_size
-        return [r.as_bytes()[va_page * ps : (va_page + num) * ps] for r in self.regions]
+    def byte_views(self, va_page: int, num: int, dropped: int = 0) -> list[torch.Tensor]:
+        """Per region, the bytes of ``num`` pages at ``va_page``, in the sliding regions from
+        ``dropped`` pages later on (touch only mapped pages)."""
+        ps, end = self.pool.page_size, va_page + num
+        return [region.as_bytes()[(va_page + (dropped if r >= self.keep else 0)) * ps : end * ps]
+                for r, region in enumerate(self.regions)]
 
     def layer_views(self, num_va_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, ``[num_va_slots, slot_tokens, kv_head, head_dim]`` K and V views."""
         return self.layout.layer_views([r.as_bytes() for r in self.regions], num_va_slots)
 
     # -- checks and teardown --------------------------------------------------------------------
-    def check(self, mapped: Sequence[int]) -> np.ndarray:
-        """Assert that slot ``s`` has exactly its first ``mapped[s]`` pages mapped in every
-        region, and that a page mapped twice is a share at one region and page index; returns
-        the mapping references per physical page."""
+    def check(self, mapped: Sequence[int], dropped: Sequence[int]) -> np.ndarray:
+        """Assert that slot ``s`` has exactly its pages ``[0, mapped[s])`` mapped in every full
+        region and ``[dropped[s], mapped[s])`` in every sliding one, and that a page mapped
+        twice is a share at one region and page index; returns the mapping references per
+        physical page."""
         refs = np.zeros(self.pool.num_pages, dtype=np.int64)
         where: dict[int, tuple[int, int]] = {}
         for r, region in enumerate(self.regions):
             table = region.page_at.reshape(len(mapped), self.layout.slot_pages)
             for slot, m in enumerate(mapped):
-                assert (table[slot, :m] != UNMAPPED).all(), f"hole in slot {slot} region {r}"
+                d = dropped[slot] if r >= self.keep else 0
+                assert (table[slot, d:m] != UNMAPPED).all(), f"hole in slot {slot} region {r}"
                 assert (table[slot, m:] == UNMAPPED).all(), f"stray page in slot {slot}"
-                for p, page in enumerate(table[slot, :m]):
+                assert (table[slot, :d] == UNMAPPED).all(), f"a dropped page mapped, slot {slot}"
+                for p, page in enumerate(table[slot, d:m], start=d):
                     # a page mapped twice must be a fork share: same region, same page index
                     assert where.setdefault(int(page), (r, p)) == (r, p), f"page {page} aliased"
             pages = region.page_at[region.page_at != UNMAPPED]
@@ -267,3 +293,8 @@ class RegionGroup:
     def close(self) -> None:
         for region in self.regions:
             region.close()
+
+
+def head_of(pages: Sequence[int]) -> int:
+    """Leading ``UNMAPPED`` entries of a region's page list (a sliding region's dropped head)."""
+    return next((i for i, page in enumerate(pages) if page != UNMAPPED), len(pages))

@@ -46,8 +46,26 @@ class SlotRoom(KVRoom):
         return slot, max(0, need - mapped), cow
 
     def units_needed(self, request_id: str, num_new_tokens: int) -> int | None:
+        """Pages (all regions) ``num_new_tokens`` more would take. With sliding-window
+        regions, net of the head pages they give back, and a long remaining prefill counted as
+        steps of at most a window (what they hold at most while it runs)."""
         slot, grow, cow = self.plan(request_id, num_new_tokens)
-        return None if slot is None else (grow + len(cow)) * len(self._state.regions)
+        if slot is None:
+            return None
+        state = self._state
+        regions, keep = len(state.regions), state.regions.keep
+        window = state.layout.drop_window
+        if not window or keep == regions:
+            return (grow + len(cow)) * regions
+        held = request_id in state.slots.slot_of
+        mapped = state.slots.mapped[slot] if held else self._idle.first_cached(slot)
+        dropped = state.slots.dropped[slot] if held else 0
+        cur = self._tokens.get(request_id, 0)
+        last_step = max(cur, cur + num_new_tokens - window)  # the last step's first token
+        end = mapped + grow
+        start = max(dropped, min(state.layout.first_kept_page(last_step), end))
+        sliding = (end - start) - (mapped - dropped) + len(cow)  # per sliding region
+        return max(0, (grow + len(cow)) * keep + sliding * (regions - keep))
 
     @property
     def free_units(self) -> int:

@@ -2,6 +2,8 @@
 
     slot:    0 (anchor) | 1 | 2 | ... | num_slots
     mapped:  0          | 3 | 0 | ... | 5          pages per region (the same in every region)
+    dropped: 0          | 1 | 0 | ... | 0          head pages the sliding-window regions gave
+                                                   back (they map [dropped, mapped) only)
     holder:  -          | a | - | ... | c          idle slots keep their pages (deferred)
 
 Slot 0 is the anchor slot (see :mod:`vmkv.kv.virtual`): never idle, never held. Pure
@@ -23,6 +25,7 @@ class SlotTable:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
         self.mapped = [0] * (num_slots + 1)  # the anchor slot's pages belong to the regions
+        self.dropped = [0] * (num_slots + 1)  # <= mapped; 0 for an idle slot
         self.idle: set[int] = set(range(ANCHOR_SLOT + 1, num_slots + 1))
         self.slot_of: dict[str, int] = {}
 
@@ -63,3 +66,5 @@ class SlotTable:
         assert held.isdisjoint(self.idle)
         assert len(held) == len(self.slot_of), "slot given twice"
         assert len(self.slot_of) + len(self.idle) == self.num_slots
+        assert all(0 <= d <= m for d, m in zip(self.dropped, self.mapped, strict=True))
+        assert not any(self.dropped[s] for s in self.idle), "an idle slot with a dropped head"

@@ -5,12 +5,17 @@
       regions    the mappings, in lockstep over every region       RegionGroup over the PagePool
       tokens     tokens of room per request
       commit(change) ─▶ _apply_one: Place, Tokens, Forget, MapFresh/MapPages, UnmapPages,
-                        CopyPage, HoldPages, TrimPool, SwapOut, SwapIn, DropSwapped
+                        DropPages, CopyPage, HoldPages, TrimPool, SwapOut, SwapIn, DropSwapped
 
 Rank 0's parts decide (which slot, how many pages, what to reclaim or evict) and express each
-step as a change through the small verbs below (``grow``, ``unmap_tail``, ``hold``, ``share``,
-``copy_on_write``, ``hold_pages``, ``trim_pool``, ``forget``); each verb is a :meth:`commit`,
-so what rank 0 did is what the log holds and what the other ranks apply.
+step as a change through the small verbs below (``grow``, ``unmap_tail``, ``drop_behind``,
+``hold``, ``share``, ``copy_on_write``, ``hold_pages``, ``trim_pool``, ``forget``); each verb is
+a :meth:`commit`, so what rank 0 did is what the log holds and what the other ranks apply.
+
+Sliding-window layers (the per-layer layout's regions past ``layout.num_full_regions``) give
+back the pages behind their window as a request advances (``drop_behind``: whole pages before
+the page of the step's first visible token); their part of a slot is ``[dropped, mapped)``,
+still at the same addresses, so the kernels read a view that starts at the window.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from vmkv.kv.changes import (
     ChangeLog,
     CopyPage,
+    DropPages,
     DropSwapped,
     Forget,
     HoldPages,
@@ -37,7 +43,7 @@ from vmkv.kv.changes import (
 )
 from vmkv.kv.spec import VirtualLayout
 from vmkv.kv.swap import host_copy
-from vmkv.kv.virtual.regions import RegionGroup
+from vmkv.kv.virtual.regions import RegionGroup, head_of
 from vmkv.kv.virtual.slots import SlotTable
 from vmkv.memory.pool import PagePool
 
@@ -59,15 +65,18 @@ class VirtualState(ChangeLog):
         self.regions = RegionGroup(pool, layout, self.slots.num_va_slots)
         self.tokens: dict[str, int] = {}
         self.saved: dict[str, list[torch.Tensor]] = {}  # swapped-out KV between its two changes
+        self._saved_head: dict[str, int] = {}  # the sliding regions' dropped pages, swapped out
 
     # -- reading ------------------------------------------------------------------------------
     def first_va_page(self, slot: int) -> int:
         return slot * self.layout.slot_pages
 
-    def swap_where(self, request_id: str) -> tuple[int, int]:
-        """(first va page, pages) holding ``request_id``'s tokens."""
+    def swap_where(self, request_id: str) -> tuple[int, int, int]:
+        """(first va page, pages, pages the sliding regions dropped) holding
+        ``request_id``'s tokens."""
         slot = self.slots.slot_of[request_id]
-        return self.first_va_page(slot), self.layout.pages_for(self.tokens[request_id])
+        return (self.first_va_page(slot), self.layout.pages_for(self.tokens[request_id]),
+                self.slots.dropped[slot])
 
     # -- the verbs rank 0 decides with (each one commit) ----------------------------------------
     def grow(self, slot: int, num: int) -> bool:
@@ -81,6 +90,17 @@ class VirtualState(ChangeLog):
         if num > 0:
             va_page = self.first_va_page(slot) + self.slots.mapped[slot] - num
             self.commit(UnmapPages(va_page, num))
+
+    def drop_behind(self, slot: int, num_tokens: int) -> int:
+        """Give back the sliding regions' pages of ``slot`` that no query after
+        ``num_tokens`` cached tokens sees (none without sliding regions); returns how many
+        (per sliding region)."""
+        first_kept = min(self.layout.first_kept_page(num_tokens), self.slots.mapped[slot])
+        dropped = self.slots.dropped[slot]
+        if first_kept <= dropped:
+            return 0
+        self.commit(DropPages(self.first_va_page(slot) + dropped, first_kept - dropped))
+        return first_kept - dropped
 
     def hold(self, request_id: str, slot: int, num_tokens: int) -> None:
         """``request_id`` holds ``slot`` (if it did not yet) with room for ``num_tokens``."""
@@ -145,10 +165,19 @@ class VirtualState(ChangeLog):
                         else regions.map_shared(va_page, pages)):
                     return None
                 self._set_mapped(va_page, num)
+                if not fresh and regions.keep < len(regions):  # a share keeps a dropped head
+                    slots.dropped[va_page // self.layout.slot_pages] = head_of(
+                        pages[regions.keep])
             case UnmapPages(va_page, num):
                 self.backend.synchronize()  # no queued kernel may read them any more
-                regions.unmap(va_page, num)
+                slot = va_page // self.layout.slot_pages
+                regions.unmap(va_page, num, self.first_va_page(slot) + slots.dropped[slot])
                 self._set_mapped(va_page, 0)
+            case DropPages(va_page, num):
+                self.backend.synchronize()
+                regions.drop(va_page, num)
+                slot, index = divmod(va_page, self.layout.slot_pages)
+                slots.dropped[slot] = index + num
             case Place(request_id, slot):
                 slots.hold(request_id, slot)
             case Forget(request_id):
@@ -164,14 +193,18 @@ class VirtualState(ChangeLog):
                 self.pool.trim(keep)
             case SwapOut(request_id, where):
                 self.saved[request_id] = [host_copy(v) for v in regions.byte_views(*where)]
+                self._saved_head[request_id] = where[2]
                 self.backend.synchronize()
             case SwapIn(request_id, where):
-                for view, saved in zip(regions.byte_views(*where), self.saved.pop(request_id),
-                                       strict=True):
+                # back where it was; the sliding regions' head (fresh pages) is dropped later
+                views = regions.byte_views(where[0], where[1],
+                                           self._saved_head.pop(request_id, 0))
+                for view, saved in zip(views, self.saved.pop(request_id), strict=True):
                     view.copy_(saved, non_blocking=True)
             case DropSwapped(request_ids):
                 for request_id in request_ids:
                     self.saved.pop(request_id, None)
+                    self._saved_head.pop(request_id, None)
             case _:
                 raise ValueError(f"a virtual KV cache cannot apply {change!r}")
         return change
@@ -181,6 +214,7 @@ class VirtualState(ChangeLog):
         share ends there, an unmap of its tail starts there: ``num`` 0)."""
         slot, index = divmod(va_page, self.layout.slot_pages)
         self.slots.mapped[slot] = index + num
+        self.slots.dropped[slot] = min(self.slots.dropped[slot], index + num)
 
 
 class PageUnits:
