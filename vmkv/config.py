@@ -142,7 +142,8 @@ class EngineConfig:
         "at load), int8 (per-output-channel int8 weights, activations in --dtype) or w8a8 "
         "(int8 weights, activations quantised per token), any model; auto: gguf for a GGUF "
         "model on the CPU where its kernels run, none otherwise (docs/models.md); default: "
-        "$VMKV_QUANTIZATION, else auto", choices=QUANTIZATIONS, env=envs.VMKV_QUANTIZATION)
+        "$VMKV_QUANTIZATION, else none (until gguf also wins on prefill and batched decode)",
+        choices=QUANTIZATIONS, env=envs.VMKV_QUANTIZATION)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag; it overrides --compile-layers and "

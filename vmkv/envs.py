@@ -53,10 +53,11 @@ VMKV_AUTO_DTYPE = EnvVar(
     "with bfloat16 hardware, float32 on other CPUs (the test suite sets float32, so its "
     "equality checks against float32 transformers hold on every machine)")
 VMKV_QUANTIZATION = EnvVar(
-    "VMKV_QUANTIZATION", "auto",
-    "default of `--quantization`: auto, none, gguf, int8 or w8a8 (the test suite sets none, so "
-    "its equality checks against the dequantized float32 model and transformers hold; its "
-    "quantization tests ask for their formats)")
+    "VMKV_QUANTIZATION", "none",
+    "default of `--quantization`: none, auto, gguf, int8 or w8a8; none until the GGUF formats "
+    "also win on prefill and batched decode (docs/models.md, \"Quantized weights\"); the test "
+    "suite sets none too, so its equality checks against the dequantized float32 model and "
+    "transformers hold, and its quantization tests ask for their formats")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
     "default of `--fused-layers`: CPU engines (float32 with MKL or brgemm linears, bfloat16 "
