@@ -72,10 +72,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arg(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
-    """``EngineConfig.model`` as the command's optional positional argument, or ``--model``."""
+    """``EngineConfig.model`` as the command's optional positional argument (``--model`` too,
+    as vLLM's ``serve`` takes both), or ``--model``."""
     help_text = field_option(EngineConfig.__dataclass_fields__["model"]).help
     if positional:
         parser.add_argument("model", nargs="?", default=None, help=help_text)
+        parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                            help="the model, as a flag (instead of the positional argument)")
     else:
         parser.add_argument("--model", default=None, help=help_text)
 
@@ -83,7 +86,11 @@ def add_model_arg(parser: argparse.ArgumentParser, *, positional: bool = False) 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine options describe (ValueError for impossible values);
     ``args.model``, when the command has one, is the model."""
-    return config_from_args(EngineConfig, args, model=getattr(args, "model", None))
+    model = getattr(args, "model", None)
+    flag = getattr(args, "model_flag", None)
+    if model is not None and flag is not None and model != flag:
+        raise ValueError(f"two models: {model!r} (positional) and --model {flag!r}")
+    return config_from_args(EngineConfig, args, model=model or flag)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

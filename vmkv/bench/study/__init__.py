@@ -11,6 +11,8 @@ Parts, each answering its questions with the existing benches' entry points:
     end_to_end    virtual vs paged offline per mix and dtype, prefix cache, online
                   (vmkv.bench.throughput, vmkv.bench.serve)
     elastic       OS-visible memory through bursts and idle gaps (vmkv.bench.elastic)
+    hybrid        sliding-window layers: resident KV by layer group, map/unmap calls, requests
+                  at once in a fixed budget, against a uniform layout (the real managers)
     gpu           benchmarks/gpu/check.sh's results where they exist
 
 Each part module has ``NAME``, ``TITLE``, ``tasks(scale, raw)`` (the measurements, each filling
@@ -27,11 +29,13 @@ from vmkv.bench.study import (
     elastic,
     end_to_end,
     gpu,
+    hybrid,
     mapping,
     memory,
     tax,
     translation,
 )
 
-PARTS: tuple[ModuleType, ...] = (memory, translation, tax, mapping, end_to_end, elastic, gpu)
+PARTS: tuple[ModuleType, ...] = (memory, translation, tax, mapping, end_to_end, elastic, hybrid,
+                                 gpu)
 PART_NAMES = tuple(p.NAME for p in PARTS)
