@@ -7,8 +7,9 @@
                                                        # interpreter, tiny shapes)
 
 Order: the default steps s0 s1 s2 s3 s4 s6 s7 (their timeouts add up to the default budget),
-then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s8 (pytest -m gpu, if
-pytest imports) and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set (the
+then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s11 (sliding-window
+attention with the pages behind the window unmapped), s8 (pytest -m gpu, if pytest imports)
+and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set (the
 device tool brings that folder back), else ``benchmarks/results/gpu-check-<time>/``: one JSON
 per step (rewritten after every result), ``logs/<step>.log``, ``summary.json`` (after every
 step) and ``summary.txt``. A step that dies (error 700 kills the CUDA context, SIGSEGV,
@@ -69,6 +70,9 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
              optional=True, min_time=60, budget_margin=15),
         Step("s10_tensor_parallel", script("s10_tensor_parallel"), 90,
              "TP=2 over NCCL (>= 2 GPUs; else recorded as not exercised)", optional=True,
+             min_time=20),
+        Step("s11_sliding_window", script("s11_sliding_window"), 60,
+             "sliding-window kernels, pages behind the window unmapped", optional=True,
              min_time=20),
         Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)
