@@ -213,4 +213,4 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
 
 
 def commands(scale: Scale, study: str) -> dict[str, str]:
-    return {"life": f"{study} --parts {NAME}", "capacity": f"{study} --parts {NAME}"}
+    return {"life": study, "capacity": study}
