@@ -48,18 +48,20 @@ def prompt_ids(n: int, vocab: int = 49152, seed: int = 0) -> list[int]:
 
 def run_vmkv(spec: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     """One request through vmkv's engine (``spec``: vmkv-QUANT[-DTYPE])."""
+    from vmkv.process_tuning import tune_process
+
+    tune_process()  # before torch loads (OpenMP's wait policy, as `vmkv serve` sets it)
     from vmkv.config import EngineConfig
     from vmkv.engine.llm_engine import LLMEngine
-    from vmkv.process_tuning import tune_process
-    from vmkv.sampling_params import SamplingParams
+    from vmkv.sampling_params import RequestOutputKind, SamplingParams
 
-    tune_process()
     _, quant, *dtype = spec.split("-")
     config = EngineConfig(quantization=quant, dtype=dtype[0] if dtype else "auto",
                           max_model_len=len(prompt) + output_len + 8, max_num_seqs=4,
                           enable_prefix_caching=False)
     engine = LLMEngine(config)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # each step's new tokens
 
     def one(rid: str) -> tuple[float, float, int]:
         added = time.perf_counter()
