@@ -133,3 +133,15 @@ def reference_270m(gemma3: Path) -> dict[str, Any]:
     tokens = [hf_greedy(hf_model.eval(), [p], n)[0]
               for p, n in zip(prompts, (LONG[1], SHORT[1]), strict=True)]
     return {"prompts": prompts, "tokens": tokens}
+
+
+def test_serve_takes_the_model_as_a_flag_too() -> None:
+    """``vmkv serve --model gemma-3-270m`` as vLLM spells it, or the positional model."""
+    from vmkv.cli import build_parser
+    from vmkv.config_args import engine_config
+
+    parser = build_parser()
+    for argv in (["serve", "--model", "gemma-3-270m"], ["serve", "gemma-3-270m"]):
+        assert engine_config(parser.parse_args(argv)).model == "gemma-3-270m"
+    with pytest.raises(ValueError, match="two models"):
+        engine_config(parser.parse_args(["serve", "a", "--model", "b"]))
