@@ -105,7 +105,8 @@ def test_models_health_version(srv: Running, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(f"{srv.url}/health")
     assert health.status_code == 200
-    kernels = {"attention": "compiled", "argmax": "compiled", "decoder_layers": "compiled"}
+    kernels = {"attention": "compiled", "argmax": "compiled", "decoder_layers": "compiled",
+               "quant_layers": "compiled"}
     if bf16_hardware():  # the bfloat16 layers exist only there
         kernels["bf16_layers"] = "compiled"
     assert health.json() == {"status": "ok", "cpu_kernels": kernels}  # which C++ kernels run
