@@ -222,10 +222,13 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
                          "(--kv-mode virtual or paged) without twins per run")
     engines: dict[str, LLMEngine] = {}
     startup: dict[str, dict[str, float]] = {}
+    weights: dict[str, str] = {}  # each engine's weight format and resident bytes
     runs: list[dict[str, Any]] = []
     try:
         for mode, config in configs.items():
             engines[mode], startup[mode] = build_engine(config)
+            weights[mode] = next((line for line in engines[mode].executor.describe()
+                                  if line.startswith("weights: ")), "")
         structures = [None] if structured is None else [None, structured]
         variants = [(mode, so) for mode in engines for so in structures]
         for mode, so in variants:
@@ -242,7 +245,8 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
     finally:
         for engine in engines.values():
             engine.close()
-    dtypes = {mode: dict(zip(("dtype", "why"), c.dtype_choice, strict=True))
+    dtypes = {mode: {**dict(zip(("dtype", "why"), c.dtype_choice, strict=True)),
+                     "quantization": c.quantization, "weights": weights.get(mode, "")}
               for mode, c in configs.items()}
     return {"startup": startup, "dtype": dtypes, "runs": runs, **summarise_runs(runs)}
 
