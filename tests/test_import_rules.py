@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vmkv.cli",),
     ("vmkv.bench",),
     ("vmkv.server",),
-    ("vmkv.llm", "vmkv.engine"),
+    ("vmkv.llm", "vmkv.engine", "vmkv.spec_decode"),
     ("vmkv.executor", "vmkv.distributed"),
     ("vmkv.models",),
     ("vmkv.attention", "vmkv.sampling", "vmkv.structured"),
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
 LEAVES = ("vmkv", "vmkv.config", "vmkv.options", "vmkv.config_args", "vmkv.envs",
           "vmkv.cpu_info", "vmkv.sampling_params", "vmkv.commands", "vmkv.parent_death",
           "vmkv.process_tuning", "vmkv.chat_template", "vmkv.structured.params",
-          "vmkv.distributed.collectives")
+          "vmkv.distributed.collectives", "vmkv.spec_decode.config")
 
 
 def _imports(path: Path) -> list[tuple[str, str | None]]:

@@ -30,6 +30,7 @@ from typing import Any
 from vmkv import envs
 from vmkv.cpu_info import bf16_hardware
 from vmkv.options import check_options, option, resolve_env_defaults
+from vmkv.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 KV_MODES = ("virtual", "paged")
 LAYOUTS = ("all-layers", "per-layer")
@@ -178,6 +179,11 @@ class EngineConfig:
         1, "independent engine replicas, each in its own process with its own KV cache, "
         "behind one router (least loaded, sticky by prompt prefix; docs/distributed.md); "
         "on the CPU each gets cores // N threads", minimum=1)
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = option(
+        None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}': method ngram (prompt "
+        "lookup), suffix (a suffix index over the request and recent outputs) or draft_model; "
+        "greedy outputs stay token for token the same (docs/speculative.md); default: off")
 
     #: ``(dtype, why)``: ``dtype`` as given, or what ``auto`` resolved to on this machine and
     #: why (resolved once, at construction: :func:`resolve_dtype`)
@@ -189,6 +195,8 @@ class EngineConfig:
         resolve_env_defaults(self)
         check_options(self)
         object.__setattr__(self, "dtype_choice", resolve_dtype(self.dtype, self.device))
+        object.__setattr__(self, "speculative_config",
+                           parse_speculative_config(self.speculative_config))
 
     @property
     def torch_dtype_name(self) -> str:

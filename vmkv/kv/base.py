@@ -49,13 +49,16 @@ class RequestAllocator(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def truncate(self, request_id: str, num_tokens: int) -> None: ...
+
     def fork(self, parent_id: str, child_id: str) -> bool: ...
 
 
 class KVCacheManager(ABC):
     """Owns the KV memory of all requests of one engine.
 
-    Invariants: a request's room only grows until :meth:`free`; ``allocate`` and ``fork`` are
+    Invariants: a request's room only grows until :meth:`free` (which may also roll it back
+    to fewer tokens); ``allocate`` and ``fork`` are
     all-or-nothing; after every request is freed nothing is held but reusable capacity. A mode
     sets its allocator and parts in ``__init__`` (``_allocator``, ``_room``, ``_swap``,
     ``_prefix``, ``_changes``, ``_mapping``, ``_accounting``).
@@ -87,9 +90,28 @@ class KVCacheManager(ABC):
         """
         return self._allocator.allocate(request_id, num_new_tokens)
 
-    def free(self, request_id: str) -> None:
-        """Release everything ``request_id`` holds; unknown ids raise KeyError."""
-        self._allocator.free(request_id)
+    def free(self, request_id: str, *, keep_tokens: int | None = None) -> None:
+        """Release everything ``request_id`` holds; unknown ids raise KeyError.
+
+        With ``keep_tokens``, roll it back instead: it keeps its first ``keep_tokens``
+        tokens (and its slot or block table) and gives back its room past them
+        (speculative decoding's rejected tokens): paged mode frees the blocks past the new
+        end, virtual mode keeps the pages past it mapped as slack up to the pages a growth
+        maps ahead (``premap_pages``) and unmaps the rest. A rollback is KV changes like any
+        mutation (tensor-parallel ranks apply it); ValueError unless
+        ``0 <= keep_tokens <= room.num_tokens(request_id)``.
+        """
+        if keep_tokens is None:
+            self._allocator.free(request_id)
+            return
+        held = self._room.num_tokens(request_id)
+        if not self._room.holds(request_id):
+            raise KeyError(request_id)
+        if not 0 <= keep_tokens <= held:
+            raise ValueError(f"keep_tokens must be in [0, {held}] for {request_id!r}, "
+                             f"got {keep_tokens}")
+        if keep_tokens < held:
+            self._allocator.truncate(request_id, keep_tokens)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Make ``child_id`` share ``parent_id``'s tokens copy-on-write; False if it cannot."""

@@ -97,6 +97,20 @@ class BlockAllocator:
         if self._caching is not None:
             self._caching.forget(request_id)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """See :meth:`KVCacheManager.free` with ``keep_tokens``: every group's blocks past
+        the new end are freed (tail first, as :meth:`free` does)."""
+        state = self._state
+        keep = -(-num_tokens // state.block_size)
+        for g, tables in enumerate(state.group_tables):
+            dropped = tables[request_id][keep:]
+            if dropped:
+                state.commit(SetTable(request_id, keep, (), g))
+                for block in reversed(dropped):
+                    if block != NULL_BLOCK:
+                        self._pool.release(block)
+        state.commit(Tokens(request_id, num_tokens))
+
     def fork(self, parent_id: str, child_id: str) -> bool:
         """See :meth:`KVCacheManager.fork`: the child shares every block of the parent."""
         state = self._state

@@ -10,6 +10,7 @@ import torch
 
 from vmkv.kv.addressing import SlotAddressing
 from vmkv.kv.base import KVCacheManager
+from vmkv.kv.changes import Tokens
 from vmkv.kv.mapping import waits_for_mapper
 from vmkv.kv.prefix import PrefixCaching, PrefixPart
 from vmkv.kv.spec import KVSpec, VirtualLayout
@@ -93,6 +94,19 @@ class SlotAllocator:
         if self._caching is not None:
             self._caching.forget(request_id)
         idle.trim()
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """See :meth:`KVCacheManager.free` with ``keep_tokens``: the length moves back; pages
+        past the new end stay mapped as slack up to ``premap_pages`` (what a growth would map
+        ahead anyway), the rest are unmapped (back to the pool)."""
+        state = self._state
+        slot = state.slots.slot_of[request_id]
+        state.commit(Tokens(request_id, num_tokens))
+        excess = state.slots.mapped[slot] - state.layout.pages_for(num_tokens) - self.premap_pages
+        if excess > 0:
+            state.unmap_tail(slot, excess)
+            if self._idle.max_idle_pages is not None:
+                self._idle.trim()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """See :meth:`KVCacheManager.fork`: the child's slot maps the parent's pages."""
