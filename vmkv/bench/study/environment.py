@@ -68,6 +68,12 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+def machine() -> str:
+    """This CPU in one line: its model, cores and bfloat16 hardware (what a part ran on)."""
+    bf16 = ", ".join(bf16_hardware()) or "no bfloat16 hardware"
+    return f"{cpu_model() or platform.uname().machine}, {os.cpu_count()} cores ({bf16})"
+
+
 def describe(tlb: dict[str, Any]) -> dict[str, Any]:
     """Everything :mod:`vmkv.bench.report` records, plus the machine's details; ``tlb`` says
     whether TLB-miss counters are readable here (:func:`~.counters.tlb_readable`)."""

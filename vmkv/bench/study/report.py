@@ -153,12 +153,12 @@ def _runs(doc: dict[str, Any]) -> list[str]:
     rows = []
     for name, p in doc["parts"].items():
         if "error" in p:
-            rows.append([name, p["scale"], "failed", p["error"], "", ""])
+            rows.append([name, p["scale"], "failed", p["error"], "", "", ""])
         else:
-            rows.append([name, p["scale"], p["seconds"], p["finished"],
+            rows.append([name, p["scale"], p["seconds"], p["finished"], p.get("cpu", "-"),
                          ", ".join(num(x) for x in p["load_average_before"]), p["commit"]])
-    return table(["part", "scale", "seconds", "finished", "load average before", "commit"],
-                 rows)
+    return table(["part", "scale", "seconds", "finished", "machine", "load average before",
+                  "commit"], rows)
 
 
 def _figure(fig: Figure, out: Path) -> list[str]:
@@ -185,7 +185,10 @@ def render(doc: dict[str, Any], out: Path) -> str:
     """The markdown (drawing the figures into ``out / IMAGES`` on the way)."""
     env = doc["environment"]
     scale = doc["study"]["scale"]
-    lines = [f"# Virtual vs paged KV cache on {env['cpu_model']}, {num(env['cores'])} cores",
+    # the headline is the end-to-end part's: named by the machine it ran on
+    where = (doc["parts"].get("end_to_end", {}).get("cpu")
+             or f"{env['cpu_model']}, {num(env['cores'])} cores")
+    lines = [f"# Virtual vs paged KV cache on {where}",
              "", *answer(doc), ""]
     if scale != "full":
         lines += [f"*This is a `{scale}` run: fewer and shorter requests than the full study, "
@@ -199,7 +202,9 @@ def render(doc: dict[str, Any], out: Path) -> str:
         lines += ["Earlier measurements, in the order they were taken: "
                   "[results/HISTORY.md](results/HISTORY.md); all results: "
                   "[results.md](results.md).", ""]
-    lines += ["## The machine", "", *_machine(doc), "", "Parts as measured:", "",
+    lines += ["## The machine", "",
+              "Where this report was written (each part's own machine: the table after it).",
+              "", *_machine(doc), "", "Parts as measured:", "",
               *_runs(doc), ""]
     for number, part in enumerate(PARTS, 1):
         pdoc = doc["parts"].get(part.NAME)

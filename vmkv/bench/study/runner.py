@@ -25,7 +25,7 @@ from typing import Any
 from vmkv.bench.study import PART_NAMES, PARTS, gpu
 from vmkv.bench.study.answer import synthesis
 from vmkv.bench.study.counters import tlb_readable
-from vmkv.bench.study.environment import describe
+from vmkv.bench.study.environment import describe, machine
 from vmkv.bench.study.scale import FULL, Scale
 
 JSON_PATH = Path("results/study.json")
@@ -80,7 +80,7 @@ def measure(part: ModuleType, number: int, scale: Scale, out_arg: str, *, progre
     return {"number": number, "title": part.TITLE, "scale": scale.name, "commit": commit,
             "scale_settings": scale.as_dict(), "seconds": time.monotonic() - started,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "load_average_before": list(load_before), "load_average_after":
+            "cpu": machine(), "load_average_before": list(load_before), "load_average_after":
             list(os.getloadavg()), "commands": part.commands(scale, command), "raw": raw,
             "summary": part.summarise(raw, scale)}
 
