@@ -16,12 +16,17 @@
 // groups over the threads, so each streams its share of the weight once; many (prefill) take
 // row tiles of 64, each thread sweeping every group with its tile in cache. Each group's float32
 // tile is finished by the layer's epilogue while in cache (bias, rounding, residual, SiLU*up).
+// From vmkv_q_set_ukernel's row count on (prefill, wide batches), a product on bf16 activations
+// instead dequantizes each block of 32 output rows once into a bf16 tile in VNNI pairs
+// (csrc/cpu_quant_dequant.h) and multiplies it with oneDNN's brgemm ukernel, row tile by row
+// tile: the bf16 dot products' rate for the arithmetic, the file's bytes for the weight stream.
 //
 // Built by vmkv/kernels/cpu_quant.py like the other CPU kernels (g++ -O3 -march=native -fopenmp,
-// cached, called through ctypes). Each entry point returns 0, or 1 on bad arguments (nothing
-// written).
+// cached, called through ctypes). Each entry point returns 0, 1 on bad arguments (nothing
+// written), or 4 when the brgemm ukernel raised.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -30,8 +35,10 @@
 #include <omp.h>
 #endif
 
+#include "cpu_brgemm.h"
 #include "cpu_lap.h"
 #include "cpu_layer_ops.h"
+#include "cpu_quant_dequant.h"
 #include "cpu_quant_gemm.h"
 #include "cpu_vec.h"
 
@@ -196,6 +203,129 @@ void for_each_group(int64_t m, int64_t groups, Task&& task) {
 
 enum class Store { kRounded, kResidual, kFloat };
 
+// The ukernel for many bf16 rows (vmkv_q_set_ukernel; none: the integer products serve every
+// row count).
+struct Ukernel {
+  VmkvBrgemm brgemm = nullptr;  // its BFloat16 overload (B in VNNI pairs)
+  VmkvBrgemmRelease release = nullptr;
+  int64_t min_rows = 0;         // products of at least this many rows take the tiles
+};
+Ukernel g_ukernel;
+
+constexpr int64_t kTileCols = 2 * kGroup;  // outputs per dequantized tile
+constexpr int64_t kUkRows = 256;           // rows per ukernel call
+
+// Whether an m-row product on T activations takes the dequantized tiles.
+template <typename T>
+bool tiled(int64_t m) {
+#if defined(VMKV_QUANT_TILES)
+  return std::is_same_v<T, bf16> && g_ukernel.brgemm != nullptr && g_ukernel.min_rows > 0 &&
+         m >= g_ukernel.min_rows;
+#else
+  return false;
+#endif
+}
+
+#if defined(VMKV_QUANT_TILES)
+// Block j of w (outputs 32 j .. 32 j + 32, its first output returned) dequantized into tile
+// [K / 2, 32, 2]; columns past the weight's last row are zero.
+int64_t dequant_block(const VmkvQLinear& w, int64_t j, bf16* tile) {
+  const int64_t nb = w.in_features / kBlock, groups = num_groups(w), per = kTileCols / kGroup;
+  const int64_t n0 = group_ref(w, per * j).n0;
+  if (n0 + kTileCols > w.out_features) {
+    std::memset(tile, 0, sizeof(bf16) * w.in_features * kTileCols);
+  }
+  for (int64_t i = 0; i < per && per * j + i < groups; ++i) {
+    const GroupRef ref = group_ref(w, per * j + i);
+    quant::dequant_group(ref.format, ref.rec, nb, tile, kTileCols, i * kGroup);
+  }
+  return n0;
+}
+
+// c [rows, 32] = a [rows, K] (row stride lda) times a dequantized tile.
+void tile_product(const bf16* a, int64_t lda, int64_t rows, int64_t k, const bf16* tile,
+                  float* c) {
+  g_ukernel.brgemm(rows, kTileCols, k, lda, kTileCols, kTileCols, false, a, tile, c, true);
+}
+
+// Runs task(j, tiles, c) for every block j < blocks over the OpenMP team: `tiles` holds `per`
+// tiles of [K / 2, 32, 2] bf16, c a float32 scratch [kUkRows, 32] per tile. False when the
+// ukernel raised (its errors are C++ exceptions, which must not cross the OpenMP region or the
+// C ABI).
+template <typename Task>
+bool for_each_block(int64_t blocks, int64_t k, int per, Task&& task) {
+  std::atomic<bool> failed{false};
+#pragma omp parallel if (blocks > 1)
+  {
+    std::vector<bf16> tiles(static_cast<size_t>(per * k * kTileCols));
+    std::vector<float> c(static_cast<size_t>(per * kUkRows * kTileCols));
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < blocks; ++j) {
+      try {
+        task(j, tiles.data(), c.data());
+      } catch (...) {
+        failed = true;
+      }
+    }
+    try {
+      g_ukernel.release(true);
+    } catch (...) {
+      failed = true;
+    }
+  }
+  return !failed;
+}
+
+// out [m, N] = x [m, K] (row stride ldx) w^T on dequantized tiles, each tile row stored by S.
+template <Store S, typename Out>
+bool tiled_linear(const VmkvQLinear& w, const bf16* x, int64_t ldx, int64_t m, Out* out,
+                  int64_t ldo) {
+  const bf16* bias = static_cast<const bf16*>(w.bias);
+  const int64_t k = w.in_features, blocks = (w.out_features + kTileCols - 1) / kTileCols;
+  return for_each_block(blocks, k, 1, [&](int64_t j, bf16* tile, float* c) {
+    const int64_t n0 = dequant_block(w, j, tile), cols = std::min(kTileCols, w.out_features - n0);
+    for (int64_t m0 = 0; m0 < m; m0 += kUkRows) {
+      const int64_t rows = std::min(kUkRows, m - m0);
+      tile_product(x + m0 * ldx, ldx, rows, k, tile, c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* cr = c + r * kTileCols;
+        Out* o = out + (m0 + r) * ldo + n0;
+        if constexpr (S == Store::kRounded) {
+          store_rounded(cr, bias, n0, cols, o);
+        } else if constexpr (S == Store::kResidual) {
+          add_rounded(cr, bias, n0, cols, o);
+        } else {
+          for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
+        }
+      }
+    }
+  });
+}
+
+// act [m, I] = silu(h Wg^T) * (h Wu^T) on dequantized tiles (gate block j with up block
+// j + I / 32; I a multiple of 32).
+bool tiled_gate_up(const VmkvQLinear& w, const bf16* h, int64_t m, int64_t inter, bf16* act) {
+  const bf16* bias = static_cast<const bf16*>(w.bias);
+  const bf16* bias_up = bias != nullptr ? bias + inter : nullptr;
+  const int64_t k = w.in_features, pairs = inter / kTileCols;
+  return for_each_block(pairs, k, 2, [&](int64_t j, bf16* tiles, float* c) {
+    bf16* up_tile = tiles + k * kTileCols;
+    float* up = c + kUkRows * kTileCols;
+    dequant_block(w, j, tiles);
+    dequant_block(w, pairs + j, up_tile);
+    for (int64_t m0 = 0; m0 < m; m0 += kUkRows) {
+      const int64_t rows = std::min(kUkRows, m - m0);
+      tile_product(h + m0 * k, k, rows, k, tiles, c);
+      tile_product(h + m0 * k, k, rows, k, up_tile, up);
+      for (int64_t r = 0; r < rows; ++r) {
+        silu_mul_rounded(c + r * kTileCols, up + r * kTileCols, bias, bias_up, j * kTileCols,
+                         kTileCols, act + (m0 + r) * inter + j * kTileCols);
+      }
+    }
+  });
+}
+#endif
+
 // out[m, N] (row stride ldo) from the quantised activations a times w^T, each tile row stored by S.
 template <Store S, typename T, typename Out>
 void linear(const VmkvQLinear& w, const QActs& a, int64_t m, Out* out, int64_t ldo) {
@@ -237,6 +367,33 @@ void gate_up_act(const VmkvQLinear& w, const QActs& a, int64_t m, int64_t inter,
   });
 }
 
+// out [m, N] = x [m, K] (row stride ldx) w^T: dequantized tiles from the ukernel's row count on,
+// else integer products on x quantised per block. False when the ukernel raised.
+template <Store S, typename T, typename Out>
+bool product(const VmkvQLinear& w, const T* x, int64_t ldx, int64_t m, Out* out, int64_t ldo) {
+#if defined(VMKV_QUANT_TILES)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (tiled<T>(m)) return tiled_linear<S>(w, x, ldx, m, out, ldo);
+  }
+#endif
+  linear<S, T>(w, quantize(x, ldx, m, w.in_features), m, out, ldo);
+  return true;
+}
+
+// act [m, I] = silu(h Wg^T) * (h Wu^T), h [m, K] dense; the same choice as product.
+template <typename T>
+bool gate_up_product(const VmkvQLinear& w, const T* h, int64_t m, int64_t inter, T* act) {
+#if defined(VMKV_QUANT_TILES)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (tiled<T>(m) && inter % kTileCols == 0) return tiled_gate_up(w, h, m, inter, act);
+  }
+#endif
+  gate_up_act(w, quantize(h, w.in_features, m, w.in_features), m, inter, act);
+  return true;
+}
+
+constexpr int kUkernelFailed = 4;  // the entry points' code when the ukernel raised
+
 bool bad_layer(const VmkvQShape* s, const VmkvQLayer* w, int64_t t) {
   if (s == nullptr || w == nullptr || t < 0 || s->head_dim % 2 != 0 ||
       s->intermediate % kGroup != 0) {
@@ -257,14 +414,10 @@ int linear_entry(const VmkvQLinear* w, const T* a, int64_t lda, int64_t m, void*
   }
   if (m == 0) return 0;
   Lap lap(ns);
-  const QActs q = quantize(a, lda, m, w->in_features);
-  if (rounded) {
-    linear<Store::kRounded, T>(*w, q, m, static_cast<T*>(out), ldo);
-  } else {
-    linear<Store::kFloat, T>(*w, q, m, static_cast<float*>(out), ldo);
-  }
+  const bool ok = rounded ? product<Store::kRounded>(*w, a, lda, m, static_cast<T*>(out), ldo)
+                          : product<Store::kFloat>(*w, a, lda, m, static_cast<float*>(out), ldo);
   lap(kGemmPart);
-  return 0;
+  return ok ? 0 : kUkernelFailed;
 }
 
 template <typename T>
@@ -301,7 +454,7 @@ int attn_in(const VmkvQShape* s, const VmkvQLayer* w, const T* x, int64_t t, con
   Lap lap(s->ns);
   rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
   lap(kElementwisePart);
-  linear<Store::kRounded, T>(w->qkv, quantize(h, s->hidden, t, s->hidden), t, qkv, width);
+  if (!product<Store::kRounded>(w->qkv, h, s->hidden, t, qkv, width)) return kUkernelFailed;
   lap(kGemmPart);
   rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
   lap(kElementwisePart);
@@ -316,12 +469,14 @@ int attn_out(const VmkvQShape* s, const VmkvQLayer* w, T* x, int64_t t, const T*
   if (t == 0) return 0;
   const int64_t hidden = s->hidden, inter = s->intermediate;
   Lap lap(s->ns);
-  linear<Store::kResidual, T>(w->o, quantize(attn, attn_stride, t, q), t, x, hidden);
+  if (!product<Store::kResidual>(w->o, attn, attn_stride, t, x, hidden)) return kUkernelFailed;
   lap(kGemmPart);
   rms_norm(x, static_cast<const T*>(w->post_norm), t, hidden, s->eps, h);
   lap(kElementwisePart);
-  gate_up_act(w->gate_up, quantize(h, hidden, t, hidden), t, inter, act);
-  linear<Store::kResidual, T>(w->down, quantize(act, inter, t, inter), t, x, hidden);
+  if (!gate_up_product(w->gate_up, h, t, inter, act) ||
+      !product<Store::kResidual>(w->down, act, inter, t, x, hidden)) {
+    return kUkernelFailed;
+  }
   lap(kGemmPart);
   return 0;
 }
@@ -361,6 +516,19 @@ extern "C" {
 
 // Which code path this build runs: "avx512-vnni", "avx2" or "portable".
 const char* vmkv_q_path() { return VMKV_QUANT_PATH; }
+
+// Products on bfloat16 activations of at least min_rows rows (0: none) take dequantized tiles
+// and oneDNN's brgemm ukernel (brgemm: its BFloat16 overload). Returns 1 where this build has no
+// tiles (not AVX512-BF16; nothing set), else 0. Set before products run, not during them.
+int vmkv_q_set_ukernel(VmkvBrgemm brgemm, VmkvBrgemmRelease release, int64_t min_rows) {
+#if defined(VMKV_QUANT_TILES)
+  g_ukernel = {brgemm, release, brgemm != nullptr && release != nullptr ? min_rows : 0};
+  return 0;
+#else
+  (void)brgemm, (void)release, (void)min_rows;
+  return 1;
+#endif
+}
 
 // out [m, N] (row stride ldo) = a [m, K] (row stride lda) W^T (+ b): float32 when out_rounded is
 // 0, else the activations' type (rounded once). ns: nullptr or the profiling counters.
@@ -410,7 +578,7 @@ int vmkv_qbf16_attn_out(const VmkvQShape* s, const VmkvQLayer* w, bf16* x, int64
 // A pure-decode step's decoder stack in one call (decode_layers above): x [t, hidden] (the
 // embedded tokens, updated in place to the last layer's output), cos/signed_sin [t, head_dim],
 // scratch h, qkv, attn [t, Hq * D] and act. Returns 0, 1 on bad arguments, 3 when the attention
-// kernel refused its arguments.
+// kernel refused its arguments, 4 when the ukernel raised.
 int vmkv_qf32_decode_layers(const VmkvQShape* s, const VmkvQLayer* layers, int64_t num_layers,
                             float* x, int64_t t, const float* cos, const float* ssin, float* h,
                             float* qkv, float* attn, float* act, const VmkvQDecode* d) {

@@ -13,6 +13,7 @@ import torch
 from model_helpers import make_kv, prefill_logits, save_tiny_llama
 from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel, require_default_model
 
+from vmkv.cpu_info import cpu_features
 from vmkv.kernels import cpu_quant
 from vmkv.kernels.build import load_failure
 from vmkv.llm import LLM
@@ -75,9 +76,20 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     return request.param
 
 
+@pytest.fixture
+def integer_products() -> object:
+    """The native library with its dequantized tiles off (every row count on the integer
+    products), restored after the test."""
+    native = cpu_quant.build(cpu_quant.FLAGS)
+    cpu_quant.use_ukernel(native, 0)
+    yield native
+    cpu_quant.use_ukernel(native)
+
+
 @pytest.mark.parametrize("ggml_type", list(FORMATS))
-def test_every_build_computes_the_formats_bit_for_bit(build: str, ggml_type: int) -> None:
-    """Every format, 1-70 rows (one pass, several passes, prefill tiles), float32 and bf16
+def test_every_build_computes_the_formats_bit_for_bit(build: str, ggml_type: int,
+                                                      integer_products: object) -> None:
+    """Every format, 1-70 rows (one pass, several passes, integer row tiles), float32 and bf16
     activations: within float32 rounding of the float64 reference, and the same bits in every
     build as in the native one."""
     for rows, k, m in ((40, 96, 1), (64, 576, 5), (200, 1536, 70)):
@@ -95,15 +107,47 @@ def test_every_build_computes_the_formats_bit_for_bit(build: str, ggml_type: int
         assert native_bf16.dtype == torch.bfloat16 and torch.equal(lin(xb), native_bf16)
 
 
+def require_tiles() -> None:
+    """Skip off AVX512-BF16 (the tiles are its code); fail where they should run but do not."""
+    if "avx512_bf16" not in cpu_features().split():
+        pytest.skip("the dequantized tiles run on AVX512-BF16 CPUs only")
+    require(lambda: cpu_quant.use_ukernel(cpu_quant.library()), "the dequantized tiles",
+            lambda: "this torch does not export oneDNN's brgemm ukernel")
+
+
+@pytest.mark.parametrize("ggml_type", list(FORMATS))
+def test_many_rows_multiply_dequantized_tiles(ggml_type: int) -> None:
+    """From TILE_ROWS bf16 rows on (AVX512-BF16 builds where the brgemm ukernel runs), a product
+    is the dequantized weight cast to bf16 times them, to bf16 rounding of that product in
+    float64; a partial last tile (200 and 40 rows), several ukernel calls (300 rows) and a bias
+    included. float32 activations keep the integer products (their two-byte codes: 1e-4)."""
+    require_tiles()
+    for rows, k, m in ((200, 1536, cpu_quant.TILE_ROWS), (40, 96, 300)):
+        raw = quantized(ggml_type, rows, k)
+        w = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+                             ).reshape(rows, k)
+        bias = torch.randn(rows)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(rows))
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 8e-3)):
+            lin = QuantLinear([QuantTensor.from_gguf(raw, ggml_type, k)], bias.to(dtype))
+            xd = x.to(dtype)
+            want = xd.double() @ w.to(dtype).double().T + bias.to(dtype).double()
+            got = lin(xd)
+            assert got.dtype == dtype
+            assert (got.double() - want).abs().max() <= tol * want.abs().max(), (dtype, m)
+
+
 def test_segments_of_different_formats_make_one_linear() -> None:
-    """q|k|v of different formats (Gemma 3's file: Q5_0 q and k, Q8_0 v) are one product."""
-    parts = [(6, 64), (6, 32), (8, 32)]
+    """q|k|v of different formats (Gemma 3's file: Q5_0 q and k, Q8_0 v) are one product, on
+    the integer products and on dequantized tiles (which straddle the segments: 48 + 48 + 40)."""
+    parts = [(6, 48), (6, 48), (8, 40)]
     raws = [quantized(t, n, 128, seed=i) for i, (t, n) in enumerate(parts)]
     tensors = [QuantTensor.from_gguf(r, t, 128) for r, (t, _) in zip(raws, parts, strict=True)]
-    x = torch.randn(3, 128)
-    alone = [QuantLinear([t])(x) for t in tensors]
     fused = QuantLinear(tensors)
-    assert torch.equal(fused(x), torch.cat(alone, dim=1))
+    for m, dtype in ((3, torch.float32), (cpu_quant.TILE_ROWS, torch.bfloat16)):
+        x = torch.randn(m, 128).to(dtype)
+        alone = [QuantLinear([t])(x) for t in tensors]
+        assert torch.equal(fused(x), torch.cat(alone, dim=1))
 
 
 def test_bad_input_is_refused() -> None:

@@ -7,7 +7,10 @@
 Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0), rearranged at load into groups of
 16 output rows (:mod:`vmkv.models.quant.packing`: the same bytes); each product quantises its
 activations per block of 32 to int8 and sums integer dot products (AVX-512 VNNI, AVX2, or
-portable loops: the compiler's choice by ``-march``; every build gives the same bits). Built
+portable loops: the compiler's choice by ``-march``; every build gives the same bits). From
+:data:`TILE_ROWS` rows of bfloat16 activations on (prefill, wide batches), where oneDNN's bf16
+brgemm ukernel runs (:mod:`vmkv.kernels.cpu_bf16`), a product instead dequantizes each block of
+32 output rows once into a bf16 tile and multiplies it on the ukernel. Built
 like the other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the library cannot
 be built, :func:`available` is False (one warning line says why) and a GGUF model is dequantized
 at load instead (``--quantization none``).
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vmkv.kernels import cpu_bf16
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_quant_layer.cpp"
@@ -34,7 +38,13 @@ _PREFIX = {torch.float32: "vmkv_qf32", torch.bfloat16: "vmkv_qbf16"}
 #: ``ns`` counters (profiling): products (activation quantisation included), the rest, and
 #: the attention kernel's calls from ``decode_layers``
 GEMM_NS, ELEMENTWISE_NS, ATTENTION_NS = 0, 1, 2
+#: the entry points' code when the brgemm ukernel raised
+UKERNEL_FAILED = 4
 MAX_SEGMENTS = 3
+#: bf16 products of at least this many rows take dequantized tiles and the brgemm ukernel
+#: (AVX512-BF16 builds where the ukernel runs); fewer rows, and float32 activations, keep the
+#: integer products (measured in docs/models.md, "Quantized weights")
+TILE_ROWS = 16
 
 
 class Segment(ctypes.Structure):
@@ -98,7 +108,21 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
         for fn in fns.values():
             fn.restype = ctypes.c_int
     lib.vmkv_q_path.restype = ctypes.c_char_p
+    lib.vmkv_q_set_ukernel.argtypes = [_PTR, _PTR, _I64]
+    lib.vmkv_q_set_ukernel.restype = ctypes.c_int
+    use_ukernel(lib)
     return lib
+
+
+def use_ukernel(lib: ctypes.CDLL, min_rows: int = TILE_ROWS) -> bool:
+    """Give ``lib``'s bfloat16 products of ``min_rows`` rows or more (0: none) dequantized
+    tiles and oneDNN's bf16 brgemm ukernel where it runs here
+    (:func:`vmkv.kernels.cpu_bf16.unavailable_reason`); whether they now take them (False where
+    the build has no tiles, not AVX512-BF16, or the ukernel does not run)."""
+    found = (cpu_bf16.ukernel(torch.bfloat16)
+             if cpu_bf16.unavailable_reason(torch.bfloat16) is None else None)
+    brgemm, release = found or (None, None)
+    return lib.vmkv_q_set_ukernel(brgemm, release, min_rows) == 0 and bool(found) and min_rows > 0
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -161,6 +185,8 @@ def linear(x: torch.Tensor, args: LinearArgs, out_dtype: torch.dtype,
     err = entry(x.dtype, "linear")(ctypes.byref(args), x.data_ptr(), x.stride(0), x.shape[0],
                                    out.data_ptr(), out.stride(0), rounded,
                                    ns.data_ptr() if ns is not None else None)
+    if err == UKERNEL_FAILED:
+        raise RuntimeError(f"oneDNN's brgemm ukernel failed on {tuple(x.shape)}")
     if err:
         raise ValueError(f"the quantized linear refused {tuple(x.shape)} (bad weight arguments)")
     return out
