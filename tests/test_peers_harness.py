@@ -28,6 +28,18 @@ def test_engine_names() -> None:
             compare.parse_engine(bad)
     assert [e.name for e in compare.parse_engines("vllm,vllm-fp32,paged")] == [
         "vllm-fp32", "paged-fp32"]
+    # weight formats: OpenVINO's int8/int4 exports, vmkv on a GGUF model's own blocks
+    assert compare.parse_engine("openvino-int4").is_peer
+    assert compare.parse_engine("paged-gguf").precision == "gguf"
+    for bad in ("vllm-int8", "virtual-int4", "openvino-gguf"):
+        with pytest.raises(ValueError, match="FAMILY"):
+            compare.parse_engine(bad)
+    setup = compare.Setup(model="m", openvino_python="py", openvino_model="fp32",
+                          openvino_int8_model="int8")
+    assert setup.openvino_weights("int8") == "int8" and setup.openvino_weights("bf16") == "fp32"
+    setup.check(compare.parse_engines("openvino-int8"))
+    with pytest.raises(ValueError, match="--openvino-int4-model"):
+        setup.check(compare.parse_engines("openvino-int4"))
 
 
 def test_rotation_starts_each_repeat_one_later() -> None:

@@ -45,6 +45,9 @@ DEFAULT_MIXES = ("prompt-heavy", "balanced", "decode-heavy")
 #: every engine x precision, families interleaved so no family runs twice in a row
 ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
            "vllm-bf16", "virtual-bf16", "openvino-bf16", "paged-bf16", "llamacpp-bf16")
+#: weight formats (issue 54's batched bar: each engine at its best weight format):
+#: ``--engines all`` runs these after ENGINES
+WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",
@@ -153,7 +156,9 @@ def parse_args() -> argparse.Namespace:
                     help="comma-separated, of " + ", ".join(MIXES))
     ap.add_argument("--precisions", default=",".join(compare.PRECISIONS))
     ap.add_argument("--engines", default=",".join(ENGINES),
-                    help="FAMILY-PRECISION names (compare.py), before --precisions filters them")
+                    help="FAMILY-PRECISION names (compare.py), before --precisions filters "
+                         "them; 'all': the default ones and the weight formats' "
+                         f"({', '.join(WEIGHT_ENGINES)})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--length-scale", type=float, default=1.0,
@@ -169,7 +174,8 @@ def parse_args() -> argparse.Namespace:
     if not precisions or precisions - set(compare.PRECISIONS):
         ap.error(f"--precisions: choose from {', '.join(compare.PRECISIONS)}")
     try:
-        args.engines = [e for e in compare.parse_engines(args.engines) if e.precision in precisions]
+        names = ",".join(ENGINES + WEIGHT_ENGINES) if args.engines == "all" else args.engines
+        args.engines = [e for e in compare.parse_engines(names) if e.precision in precisions]
     except ValueError as exc:
         ap.error(str(exc))
     if args.repeats <= 0 or args.num_prompts <= 0 or args.length_scale <= 0:

