@@ -9,6 +9,11 @@ sliding with a window of 512; 1 KV head of 256; bfloat16: 18,432 B per token):
                window slides, the virtual address the slot spans
     capacity   how many N-token requests a fixed KV budget holds at once (each grown in
                512-token chunks until the managers refuse)
+    long       the model itself (gemma-3-270m) serving a long-context mix (prompts of
+               2,000-8,000 tokens) in a fixed KV budget: virtual grouped (per-layer layout),
+               virtual uniform (the all-layers layout: windows applied by the kernel, no
+               memory given back) and paged grouped, alternated; throughput and the virtual
+               tax (map/unmap calls, page creation, first touch) as part 3 decomposes it
 
 Both KV modes: virtual (per-layer layout, 16 KiB pages, pages created on demand and released
 when idle) and paged (128-token blocks, the CPU default).
@@ -16,6 +21,7 @@ when idle) and paged (128-token blocks, the CPU default).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vmkv.bench import vmm
+from vmkv.bench.study import runs, tax
 from vmkv.bench.study.figure import Figure, Section
 from vmkv.bench.study.fmt import num
 from vmkv.bench.study.scale import KiB, MiB, Scale
@@ -40,6 +48,14 @@ MODEL = ("Gemma 3 270M's KV: 18 layers, 15 of them sliding (window 512) and 3 fu
 TARGETS = {"resident_ratio": 0.25, "capacity_ratio": 3}
 #: (request length N, KV budget of the capacity runs) per scale
 SIZES = {"full": (8192, 1024 * MiB), "quick": (8192, 512 * MiB), "smoke": (1536, 48 * MiB)}
+#: the long-context runs per scale: (requests, prompt range, output range, KV budget)
+LONG = {"full": (16, (2000, 8000), (32, 128), 1024 * MiB),
+        "quick": (8, (1000, 4000), (16, 64), 512 * MiB),
+        "smoke": (2, (600, 700), (4, 8), 64 * MiB)}
+#: the long-context engines: name -> EngineConfig fields (bfloat16 where the CPU has it)
+LONG_ENGINES = {"virtual grouped": {"kv_mode": "virtual", "kv_layout": "per-layer"},
+                "virtual uniform": {"kv_mode": "virtual", "kv_layout": "all-layers"},
+                "paged grouped": {"kv_mode": "paged"}}
 
 
 def gemma3_270m_spec(grouped: bool) -> KVSpec:
@@ -130,7 +146,32 @@ def tasks(scale: Scale, raw: dict[str, Any]) -> list[tuple[str, Callable[[], Non
         raw["life"][key] = life(mode, layout == "grouped", length)
         raw["capacity"][key] = capacity(mode, layout == "grouped", length, budget)
 
-    return [(f"{m} {lay}", lambda m=m, lay=lay: one(m, lay)) for m in MODES for lay in LAYOUTS]
+    return [*((f"{m} {lay}", lambda m=m, lay=lay: one(m, lay)) for m in MODES for lay in LAYOUTS),
+            ("gemma-3-270m, long context", lambda: long_context(scale, raw))]
+
+
+def long_context(scale: Scale, raw: dict[str, Any]) -> None:
+    """The model on the long-context mix, :data:`LONG_ENGINES` alternated (``raw["long"]``)."""
+    from vmkv.bench.common import workload_for_model
+    from vmkv.bench.workloads import WorkloadSpec
+
+    n, prompt, output, budget = LONG[scale.name]
+    spec = WorkloadSpec("random", num_prompts=n, input_len=prompt, output_len=output,
+                        seed=runs.SEED)
+    requests, info = workload_for_model(spec, "gemma-3-270m")
+    configs = {name: runs.engine_config(scale, model="gemma-3-270m", dtype="auto",
+                                        kv_cache_memory=budget, **fields)
+               for name, fields in LONG_ENGINES.items()}
+    out: dict[str, Any] = {"workload": {**info, "mix": "long-context"}, "budget": budget}
+    with runs.built(configs) as made:
+        out["startup"] = made["startup"]
+        out["page_size"] = {name: (e.kv.pool.page_size if e.kv.kv_mode == "virtual" else None)
+                            for name, e in made["engines"].items()}
+        out["runs"] = runs.alternate(made["engines"], requests, repeats=scale.repeats,
+                                     warmup=runs.warmup_requests(requests, 1))
+    sizes = sorted({p for p in out["page_size"].values() if p})
+    out["page_ops"] = vmm.run(tuple(sizes), devices=("cpu",), max_pages=64)
+    raw["long"] = out
 
 
 def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
@@ -155,7 +196,30 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
             "capacity_ratio": caps["grouped"] / max(1, caps["uniform"]),
             "decode_calls_per_token": grouped["decode_calls_per_token"],
         }
+    if "long" in raw:
+        out["long"] = summarise_long(raw["long"])
     return out
+
+
+def summarise_long(long: dict[str, Any]) -> dict[str, Any]:
+    """Per engine of the long-context runs: medians of throughput and of the virtual tax
+    (:func:`.tax.run_numbers`), run time against paged's, repetition by repetition."""
+    touch_us = {r["page_size"]: r["touch_p50_us"] for r in long["page_ops"]["rows"]}
+    elapsed = {(r["mode"], r["repeat"]): r["elapsed_s"] for r in long["runs"]}
+    engines: dict[str, Any] = {}
+    for name, page in long["page_size"].items():
+        numbers = [tax.run_numbers(r, page, touch_us) for r in long["runs"] if r["mode"] == name]
+        med = {k: statistics.median(x[k] for x in numbers) for k in numbers[0]
+               if k != "tlb_misses_per_step"}
+        med["engine_init_s"] = long["startup"][name]["engine_init_s"]
+        med["time_vs_paged_pct"] = statistics.median(
+            100 * (elapsed[(name, rep)] / elapsed[("paged grouped", rep)] - 1)
+            for (mode, rep) in elapsed if mode == name)
+        engines[name] = med
+    tps = {n: v["output_tokens_per_s"] for n, v in engines.items()}
+    return {"engines": engines,
+            "virtual_over_paged": tps["virtual grouped"] / tps["paged grouped"],
+            "grouped_over_uniform": tps["virtual grouped"] / tps["virtual uniform"]}
 
 
 def _draw(raw: dict[str, Any]) -> Callable[[str], None]:
@@ -209,8 +273,43 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
     reading = [f"{m}: {num(v['resident_ratio'])}x the uniform layout's resident KV, "
                f"{num(v['capacity_ratio'])}x the requests at once."
                for m, v in s["modes"].items()]
-    return Section(TITLE, reading, [resident_fig, capacity_fig])
+    figures = [resident_fig, capacity_fig]
+    if "long" in s:
+        figures.append(_long_figure(raw["long"], s["long"], cmd["long"]))
+        lo = s["long"]
+        reading.append(f"gemma-3-270m on long prompts: virtual grouped / paged output tokens/s "
+                       f"{num(lo['virtual_over_paged'])}, grouped / uniform "
+                       f"{num(lo['grouped_over_uniform'])} (virtual); the virtual tax "
+                       f"{num(lo['engines']['virtual grouped']['tax_pct'])} % of the run.")
+    return Section(TITLE, reading, figures)
+
+
+def _long_figure(long: dict[str, Any], s: dict[str, Any], command: str) -> Figure:
+    w = long["workload"]
+    return Figure(
+        name="hybrid-long-context",
+        question="Serving the model itself on long prompts in a fixed KV budget: what does "
+                 "giving back memory behind the window buy, and what does virtual mode pay for "
+                 "it (the virtual tax as part 3 decomposes it)?",
+        columns=["engine", "out tok/s", "step ms", "map+unmap calls", "map+unmap ms",
+                 "pages created", "create+release ms", "first touch ms (est.)", "tax % of run",
+                 "run time vs paged grouped %", "engine start s"],
+        rows=[[n, v["output_tokens_per_s"], v["step_ms"], v["map_calls"], v["map_ms"],
+               v["pages_created"], v["create_ms"], v["first_touch_ms"], v["tax_pct"],
+               v["time_vs_paged_pct"], v["engine_init_s"]] for n, v in s["engines"].items()],
+        command=command, draw=None,
+        notes=[f"gemma-3-270m (the GGUF dequantized, bfloat16 where the CPU has it), "
+               f"{num(w['num_requests'])} requests of random tokens ({num(w['input_tokens'])} "
+               f"prompt, {num(w['output_tokens'])} output tokens), a KV budget of "
+               f"{num(long['budget'])} bytes, medians of alternated repetitions. Uniform is the "
+               "all-layers layout: one page holds every layer's tokens, so the kernel applies "
+               "the windows and nothing goes back."])
 
 
 def commands(scale: Scale, study: str) -> dict[str, str]:
-    return {"life": study, "capacity": study}
+    n, prompt, output, budget = LONG[scale.name]
+    one = (f"{study}  (one engine alone: vmkv bench throughput --model gemma-3-270m "
+           f"--kv-mode virtual|paged --kv-layout per-layer|all-layers --input-len "
+           f"{prompt[0]}:{prompt[1]} --output-len {output[0]}:{output[1]} --num-prompts {n} "
+           f"--kv-cache-memory {budget})")
+    return {"life": study, "capacity": study, "long": one}
