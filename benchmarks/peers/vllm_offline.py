@@ -27,9 +27,12 @@ def main() -> None:
     ap.add_argument("workload")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: 2,048, or the workload's longest request if longer")
     args = ap.parse_args()
     rows = read_workload(args.workload)
+    longest = max(len(r["prompt"]) + r["output_len"] for r in rows)
+    args.max_model_len = args.max_model_len or max(2048, longest)
 
     import torch
     import vllm
