@@ -260,11 +260,12 @@ def test_quantization_choices(tmp_path) -> None:  # noqa: ANN001
         load_model(tmp_path, quantization="fp4")
 
 
-def test_int8_weights_per_output_channel(tmp_path) -> None:  # noqa: ANN001
-    """--quantization int8 | w8a8 on an HF folder: every decoder linear quantized per output
-    channel (codes round(w / s), s = fp16(max|w| / 127)); int8 in the quantized kernels'
-    layout (its blocks dequantize to exactly s * codes), w8a8 through torch's _int_mm with
-    per-token activations; both within int8's resolution of the float32 linear."""
+def test_int8_weights(tmp_path) -> None:  # noqa: ANN001
+    """--quantization int8 | w8a8 on an HF folder: every decoder linear quantized to codes
+    round(w / s), s = fp16(max|w| / 127): int8 per block of 32 (GGUF's Q8_0, in the quantized
+    kernels' layout, dequantizing to exactly s * codes), w8a8 per output channel through
+    torch's _int_mm with per-token activations; both within int8's resolution of the float32
+    linear."""
     from vmkv.models.quant.int8 import W8A8Linear, channel_int8, int8_tensor
 
     w = torch.randn(48, 64) * 0.05
@@ -273,7 +274,10 @@ def test_int8_weights_per_output_channel(tmp_path) -> None:  # noqa: ANN001
     t = int8_tensor(w)
     back = gguf.dequantize(unpack(t.packed, t.ggml_type, t.rows, t.in_features),
                            gguf.GGMLQuantizationType.Q8_0)
-    assert np.array_equal(back, (codes.float() * scale.float()[:, None]).numpy())
+    block_codes, block_scale = channel_int8(w.reshape(-1, 32))  # every block its own scale
+    assert np.array_equal(back.reshape(-1, 32),
+                          (block_codes.float() * block_scale.float()[:, None]).numpy())
+    assert not np.array_equal(back, (codes.float() * scale.float()[:, None]).numpy())
     x = torch.randn(5, 64)
     exact = x @ w.t()
     dense = torch.nn.Linear(64, 48, bias=False)

@@ -140,9 +140,10 @@ class EngineConfig:
     quantization: str | None = option(
         None, "weight format: gguf (a GGUF model's linears in the file's own block formats, "
         "Q8_0/Q4_0/Q4_1/Q5_0, on the CPU's integer dot products), none (dequantized to --dtype "
-        "at load), int8 (per-output-channel int8 weights, activations in --dtype) or w8a8 "
-        "(int8 weights, activations quantised per token), any model; auto: gguf for a GGUF "
-        "model on the CPU where its kernels run, none otherwise (docs/models.md); default: "
+        "at load), int8 (int8 weights per block of 32, activations in --dtype) or w8a8 "
+        "(int8 weights per output channel, activations quantised per token), any model; "
+        "auto: gguf for a GGUF model on the CPU where its kernels run, none otherwise "
+        "(docs/models.md); default: "
         "$VMKV_QUANTIZATION, else none (until gguf also wins on prefill and batched decode)",
         choices=QUANTIZATIONS, env=envs.VMKV_QUANTIZATION)
     enforce_eager: bool = option(

@@ -57,7 +57,12 @@ ensure_openvino_model() {
     out="$OPENVINO_MODELS/$(basename "$1")-$format"
     if [ ! -f "$out/openvino_model.xml" ] || [ ! -f "$out/openvino_tokenizer.xml" ]; then
         rm -rf "$out"
-        "$OPENVINO_VENV/bin/python" "$PEERS_DIR/openvino_export.py" "$1" "$out" "$format" >&2
+        if [ "$format" != fp32 ] && ! "$OPENVINO_VENV/bin/python" -c "import nncf" 2>/dev/null; then
+            # optimum-cli's --weight-format int8|int4 compresses through nncf
+            "$OPENVINO_VENV/bin/pip" install -q nncf >&2 || return 1
+        fi
+        "$OPENVINO_VENV/bin/python" "$PEERS_DIR/openvino_export.py" "$1" "$out" "$format" >&2 \
+            || { echo "the OpenVINO $format export of $1 failed" >&2; rm -rf "$out"; return 1; }
     fi
     echo "$out"
 }

@@ -210,7 +210,7 @@ def describe_weights(model: nn.Module) -> str:
         return f"weights: {dtype}, {held}"
     kinds = " + ".join(f"{n} {f}" for f, n in sorted(formats.items()))
     where = ("in their GGUF blocks" if not {"int8", "w8a8"} & set(formats)
-             else "per output channel")
+             else "per block of 32" if "int8" in formats else "per output channel")
     return f"weights: {kinds} tensors {where}, the rest and activations {dtype}, {held}"
 
 
