@@ -152,7 +152,8 @@ class ServingSession:
             ids = await self.workers.encode_chat(messages, body.add_generation_prompt, tools,
                                                  **options)
         except NoChatTemplateError as exc:
-            raise APIError(400, f"{exc}; use /v1/completions") from None
+            raise APIError(400, f"{exc}: start the server with --chat-template (a file or the "
+                           "template itself), or use /v1/completions", "messages") from None
         except ValueError as exc:  # reserved chat_template_kwargs, conflicting options
             raise APIError(400, str(exc), "chat_template_kwargs" if "chat_template_kwargs"
                            in str(exc) else "continue_final_message") from None

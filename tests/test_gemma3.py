@@ -98,7 +98,7 @@ def test_gemma3_270m_config(gemma3: Path) -> None:
 
 
 #: (prompt tokens, new tokens): a prompt of more than 2,000 tokens (four windows) and a short one
-LONG, SHORT = (2100, 40), (300, 100)
+LONG, SHORT = (2100, 16), (300, 32)
 
 
 def _long_prompts(path: Path) -> list[list[int]]:
@@ -145,3 +145,41 @@ def test_serve_takes_the_model_as_a_flag_too() -> None:
         assert engine_config(parser.parse_args(argv)).model == "gemma-3-270m"
     with pytest.raises(ValueError, match="two models"):
         engine_config(parser.parse_args(["serve", "a", "--model", "b"]))
+
+
+def test_the_base_model_serves_completions_and_chat_only_with_a_template(gemma3: Path) -> None:
+    """Gemma 3 270M is a base model: its tokenizer has no chat template, so /v1/completions
+    works, chat is a 400 naming --chat-template, and chat works once the server has one."""
+    import openai
+    from serving import client_of, serve
+
+    from vmkv.config import EngineConfig
+
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    ask = [{"role": "user", "content": "Name a colour."}]
+    config = EngineConfig(model=str(gemma3), kv_cache_memory=256 << 20, enforce_eager=True)
+    running = serve(config, chat_template=template)
+    srv = next(running)
+    try:
+        client = client_of(srv)
+        done = client.completions.create(model="smol", prompt="The sky is", max_tokens=4,
+                                         temperature=0)
+        assert done.usage.completion_tokens == 4 and done.choices[0].text
+        chat = client.chat.completions.create(model="smol", messages=ask, max_tokens=4,
+                                              temperature=0)
+        assert chat.usage.completion_tokens == 4
+        # the same engine without the server's template: a clear 400
+        from test_server import start
+
+        bare = start(srv.engine)
+        try:
+            with pytest.raises(openai.BadRequestError, match="--chat-template"):
+                client_of(bare).chat.completions.create(model="smol", messages=ask,
+                                                        max_tokens=4)
+            assert client_of(bare).completions.create(model="smol", prompt="Hi",
+                                                      max_tokens=2).usage.completion_tokens == 2
+        finally:
+            bare.stop()
+    finally:
+        next(running, None)
