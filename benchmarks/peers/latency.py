@@ -3,6 +3,7 @@ GGUF file, alternated, each run in a fresh process.
 
     python benchmarks/peers/latency.py --out DIR [--engines vmkv-gguf,vmkv-none-bf16,llama.cpp]
         [--prompt-len 256] [--output-len 256] [--repeats 5] [--threads 2]
+        [--lock /tmp/vmkv-bench.lock]
 
 Engines:
   vmkv-QUANT[-DTYPE]  vmkv's engine in this process's venv (``--quantization QUANT``, ``--dtype
@@ -13,18 +14,26 @@ Engines:
                       model's GGUF file, ``--parallel 1``, the request's own ``timings`` (also
                       measured inside the engine): TTFT = prompt_ms, TPOT =
                       predicted_per_token_ms
+  read-bandwidth      not an engine: the machine's read bandwidth as ``vmkv bench profile``
+                      measures it (a sum over 256 MiB, the same threads), run in the rotation
+                      (default on), so each vmkv engine's TPOT is stated against its weights'
+                      memory floor in the same sitting: floor = resident weight bytes / median
+                      read bandwidth
 Every engine gets the same random prompt (token ids, fixed seed), greedy, ``ignore_eos``,
 exactly ``--output-len`` tokens, the same threads, one warm-up request first. Repetitions rotate
 the engines' order. Writes ``latency.json`` (every run, medians, vmkv / llama.cpp ratios, the
-CPU and its flags, each engine's weight format) under ``--out``.
+CPU and its flags, each engine's weight format, the floors) under ``--out``. ``--lock``: each
+run holds an exclusive flock on that file (a shared machine's benchmark lock).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -85,6 +94,60 @@ def run_vmkv(spec: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     engine.close()
     return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "output_tokens": n,
             "weights": weights, "dtype": config.dtype_choice[0]}
+
+
+def run_read_bandwidth() -> dict[str, Any]:
+    """The machine's read bandwidth, as ``vmkv bench profile`` measures it (bytes/s)."""
+    from vmkv.process_tuning import tune_process
+
+    tune_process()
+    from vmkv.bench.profile import machine_rates
+
+    return {"read_bytes_per_s": machine_rates("torch")["read_bytes_per_s"]}
+
+
+def resident_bytes(weights: str) -> float | None:
+    """The bytes of a ``weights: ..., N MB resident`` line (None without one)."""
+    found = re.search(r"([0-9.]+) MB resident", weights)
+    return float(found.group(1)) * 1e6 if found else None
+
+
+def floors(runs: list[dict[str, Any]], medians: dict[str, dict[str, float]]
+           ) -> dict[str, dict[str, float]]:
+    """Each vmkv engine's memory floor (resident weight bytes / median read bandwidth) and its
+    median TPOT over it."""
+    bandwidth = [r["read_bytes_per_s"] for r in runs if r["engine"] == BANDWIDTH]
+    if not bandwidth:
+        return {}
+    bw = statistics.median(bandwidth)
+    out = {}
+    for engine, med in medians.items():
+        sizes = [resident_bytes(r.get("weights", "")) for r in runs if r["engine"] == engine]
+        if sizes and sizes[0]:
+            floor_ms = sizes[0] / bw * 1e3
+            out[engine] = {"read_gb_per_s": bw / 1e9, "weight_mb": sizes[0] / 1e6,
+                           "floor_ms": floor_ms, "tpot_over_floor": med["tpot_ms"] / floor_ms}
+    return out
+
+
+class held:
+    """An exclusive flock on ``path`` while in the block (no-op for None)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.file = path, None
+
+    def __enter__(self) -> None:
+        if self.path is not None:
+            self.file = open(self.path, "a")  # noqa: SIM115 - released in __exit__
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+BANDWIDTH = "read-bandwidth"
 
 
 def _free_port() -> int:
@@ -149,6 +212,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="latency-out")
+    ap.add_argument("--lock", metavar="PATH", help="hold an exclusive flock on PATH per run")
+    ap.add_argument("--no-bandwidth", action="store_true",
+                    help="leave the read-bandwidth runs (and the floors) out")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # one engine, in this (fresh) process
     args = ap.parse_args()
     prompt = prompt_ids(args.prompt_len)
@@ -160,19 +226,23 @@ def main() -> int:
     if args.run:
         if args.run == "llama.cpp":
             print_result(run_llama_cpp(from_wheel, prompt, args.output_len, args.threads))
+        elif args.run == BANDWIDTH:
+            print_result(run_read_bandwidth())
         else:
             print_result(run_vmkv(args.run, prompt, args.output_len))
         return 0
     engines = args.engines.split(",")
+    rotation = engines + ([] if args.no_bandwidth else [BANDWIDTH])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
-        order = engines[rep % len(engines):] + engines[: rep % len(engines)]
+        order = rotation[rep % len(rotation):] + rotation[: rep % len(rotation)]
         for engine in order:
             cmd = [sys.executable, __file__, "--run", engine, "--prompt-len",
                    str(args.prompt_len), "--output-len", str(args.output_len), "--threads",
                    str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            with held(args.lock):
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((ln for ln in reversed(proc.stdout.splitlines())
                          if ln.startswith(RESULT_PREFIX)), None)
             if line is None:
@@ -180,6 +250,10 @@ def main() -> int:
                 raise SystemExit(f"{engine} failed (exit {proc.returncode})")
             result = {"engine": engine, "repeat": rep, **json.loads(line[len(RESULT_PREFIX):])}
             runs.append(result)
+            if engine == BANDWIDTH:
+                print(f"{rep} {engine:24s} {result['read_bytes_per_s'] / 1e9:.1f} GB/s",
+                      flush=True)
+                continue
             print(f"{rep} {engine:24s} TPOT {result['tpot_ms']:.2f} ms  TTFT "
                   f"{result['ttft_ms']:.1f} ms  ({result['output_tokens']} tokens)", flush=True)
     medians = {e: {k: statistics.median(r[k] for r in runs if r["engine"] == e)
@@ -188,11 +262,14 @@ def main() -> int:
               for e in engines if "llama.cpp" in medians and e != "llama.cpp"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    floor = floors(runs, medians)
     report = {"bench": "latency", "prompt_len": args.prompt_len, "output_len": args.output_len,
               "repeats": args.repeats, "threads": args.threads, "machine": machine(),
-              "medians": medians, "ratio_to_llama_cpp": ratios, "runs": runs}
+              "medians": medians, "ratio_to_llama_cpp": ratios, "memory_floor": floor,
+              "runs": runs}
     (out / "latency.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({"medians": medians, "ratio_to_llama_cpp": ratios}, indent=1))
+    print(json.dumps({"medians": medians, "ratio_to_llama_cpp": ratios, "memory_floor": floor},
+                     indent=1))
     return 0
 
 

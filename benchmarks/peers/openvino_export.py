@@ -3,8 +3,9 @@
 Usage (inside the OpenVINO venv): python openvino_export.py HF_DIR OUT_DIR [fp32|int8|int4]
 
 The weight format (default fp32) is optimum-cli's ``--weight-format``: int8 and int4 compress
-the linears' weights through nncf (int8 per output channel; int4 groups with nncf's defaults),
-what OpenVINO GenAI's users run on CPUs.
+the linears' weights through nncf (int8 per output channel; int4 in groups of 128, nncf's
+default, or the largest of 64 and 32 that divides every linear's inputs: SmolLM2-135M's 576 is
+no multiple of 128, and nncf refuses such layers), what OpenVINO GenAI's users run on CPUs.
 
 optimum-intel needs transformers < 5, while vmkv writes its converted folder with transformers 5;
 two of its files need the older spelling, so the export reads a staging folder: links to the
@@ -47,6 +48,14 @@ def stage(hf_dir: Path, staging: Path) -> None:
     (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
 
 
+def int4_group_size(hf_dir: Path) -> int:
+    """nncf's default int4 group (128), or the largest of 64 and 32 dividing the hidden and
+    intermediate sizes (every linear's inputs)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    sizes = [config.get("hidden_size", 0), config.get("intermediate_size", 0)]
+    return next((g for g in (128, 64, 32) if all(n % g == 0 for n in sizes)), 128)
+
+
 def main() -> int:
     hf_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     weight_format = sys.argv[3] if len(sys.argv) > 3 else "fp32"
@@ -56,8 +65,10 @@ def main() -> int:
     cli = Path(sys.executable).parent / "optimum-cli"
     with tempfile.TemporaryDirectory() as tmp:
         stage(hf_dir, Path(tmp))
+        group = (["--group-size", str(int4_group_size(hf_dir))] if weight_format == "int4"
+                 else [])
         subprocess.run([str(cli), "export", "openvino", "-m", tmp, "--task",
-                        "text-generation-with-past", "--weight-format", weight_format,
+                        "text-generation-with-past", "--weight-format", weight_format, *group,
                         str(out)],
                        check=True)
     missing = [name for name in REQUIRED if not (out / name).exists()]
