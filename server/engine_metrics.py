@@ -87,6 +87,25 @@ def _vllm_families(rows: list[tuple[list[str], Snapshot]]) -> Iterator[Any]:
         steps.add_metric(labels, list(zip(bounds, accumulate(counts), strict=True)),
                          s.step_tokens_sum)
     yield steps
+    if any(s.spec_decode is not None for _, s in rows):
+        yield from _spec_decode_families(rows)
+
+
+def _spec_decode_families(rows: list[tuple[list[str], Snapshot]]) -> Iterator[Any]:
+    """vLLM's speculative decoding counters (``--speculative-config``)."""
+    for name, doc in (("num_drafts", "Number of spec decoding drafts."),
+                      ("num_draft_tokens", "Number of draft tokens."),
+                      ("num_accepted_tokens", "Number of accepted tokens.")):
+        yield _family(CounterMetricFamily, f"vllm:spec_decode_{name}", doc, rows,
+                      lambda s, key=f"spec_decode_{name}": (s.spec_decode or {}).get(key, 0))
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.",
+                                  labels=[*LABELS, "position"])
+    for labels, s in rows:
+        for pos, n in enumerate((s.spec_decode or {}).get(
+                "spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([*labels, str(pos)], n)
+    yield per_pos
 
 
 def _vmkv_families(rows: list[tuple[list[str], Snapshot]]) -> Iterator[Any]:

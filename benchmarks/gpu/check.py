@@ -8,13 +8,13 @@
 
 Order: the default steps s0 s1 s2 s3 s4 s6 s7 (their timeouts add up to the default budget),
 then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s11 (sliding-window
-attention with the pages behind the window unmapped), s8 (pytest -m gpu, if pytest imports)
-and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set (the
-device tool brings that folder back), else ``benchmarks/results/gpu-check-<time>/``: one JSON
-per step (rewritten after every result), ``logs/<step>.log``, ``summary.json`` (after every
-step) and ``summary.txt``. A step that dies (error 700 kills the CUDA context, SIGSEGV,
-timeout) is reported as such and the next step starts in a fresh process. Nothing is installed;
-the source tree runs from ``PYTHONPATH=.``, and the caller's PYTHONPATH reaches every step."""
+attention with the pages behind the window unmapped), s12 (speculative decoding), s8 (pytest -m
+gpu, if pytest imports) and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set
+(the device tool brings that folder back), else ``benchmarks/results/gpu-check-<time>/``: one
+JSON per step (rewritten after every result), ``logs/<step>.log``, ``summary.json`` (after every
+step) and ``summary.txt``. A step that dies (error 700 kills the CUDA context, SIGSEGV, timeout)
+is reported as such and the next step starts in a fresh process. Nothing is installed; the
+source tree runs from ``PYTHONPATH=.``, and the caller's PYTHONPATH reaches every step."""
 
 from __future__ import annotations
 
@@ -74,6 +74,9 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
         Step("s11_sliding_window", script("s11_sliding_window"), 60,
              "sliding-window kernels, pages behind the window unmapped", optional=True,
              min_time=20),
+        Step("s12_spec_decode", script("s12_spec_decode"), 45,
+             "speculative decoding: verify steps eager, rollback, tokens unchanged",
+             optional=True, min_time=20),
         Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)
                                 else "skipped: cpu dry run" if ON_CPU else None)),

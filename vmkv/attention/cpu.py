@@ -96,7 +96,8 @@ class CpuAttentionBackend(AttentionBackend):
                    if self.batched_prefill else None)
         seq_rows: list[slice | torch.Tensor | None] = []
         for b, (c, n) in enumerate(zip(context_lens, query_lens, strict=True)):
-            if (decode is not None and n == 1) or (prefill is not None and n > 1):
+            if (decode is not None and cpu_batches.decodes(c, n)) or (
+                    prefill is not None and not cpu_batches.decodes(c, n)):
                 seq_rows.append(None)  # a kernel reads it in place
                 continue
             rows = addr.sequence_rows(b, c + n)

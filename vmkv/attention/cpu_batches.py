@@ -66,24 +66,48 @@ def use_amx_prefill(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.bfloat16 and head_dim % 32 == 0 and amx_prefill.available()
 
 
+#: a chunk of at most this many tokens after a cached context (speculative decoding's verify
+#: step: the last token and its proposals) runs as that many decodes of one request, row j
+#: seeing the context and rows 0 .. j: the decode kernel's arithmetic per row, so each row's
+#: output is bit for bit what decoding it alone gives (greedy tokens stay the same)
+MAX_DECODE_ROWS = 16
+
+
+def decodes(context_len: int, query_len: int) -> bool:
+    """Whether the decode kernel takes a request's rows (one token, or a short chunk after a
+    cached context, row by row)."""
+    return query_len == 1 or (context_len > 0 and query_len <= MAX_DECODE_ROWS)
+
+
 def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
                  ) -> DecodeBatch | None:
-    """The one-token requests of a step, addressed for the kernel; None when there are none."""
-    idx = [i for i, n in enumerate(query_lens) if n == 1]
+    """The decoding rows of a step (:func:`decodes`), addressed for the kernel: one entry per
+    row, a short chunk's rows each with its own length; None when there are none."""
+    idx = [i for i, (c, n) in enumerate(zip(context_lens, query_lens, strict=True))
+           if decodes(c, n)]
     if not idx:
         return None
     offsets = np.cumsum([0, *query_lens[:-1]])
-    rows = offsets[idx]
+    if all(query_lens[i] == 1 for i in idx):
+        return DecodeBatch(
+            query_rows=None if len(idx) == len(query_lens) else torch.from_numpy(offsets[idx]),
+            seq_lens=torch.tensor([context_lens[i] + 1 for i in idx], dtype=torch.int32),
+            rows=Rows.of(addr, np.asarray(idx)))
+    # rows of short chunks: never the fused store (row j reads rows the others write)
+    entries = np.repeat(np.asarray(idx), [query_lens[i] for i in idx])
+    j = np.concatenate([np.arange(query_lens[i]) for i in idx])
     return DecodeBatch(
-        query_rows=None if len(idx) == len(query_lens) else torch.from_numpy(rows),
-        seq_lens=torch.tensor([context_lens[i] + 1 for i in idx], dtype=torch.int32),
-        rows=Rows.of(addr, np.asarray(idx)))
+        query_rows=torch.from_numpy(offsets[entries] + j),
+        seq_lens=torch.from_numpy((np.asarray(context_lens)[entries] + j + 1).astype(np.int32)),
+        rows=Rows.of(addr, entries))
 
 
 def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
                   ) -> PrefillBatch | None:
-    """The chunks of 2 tokens or more, addressed for the kernel; None when there are none."""
-    idx = [i for i, n in enumerate(query_lens) if n > 1]
+    """The chunks the decode kernel does not take, addressed for the kernel; None when there
+    are none."""
+    idx = [i for i, (c, n) in enumerate(zip(context_lens, query_lens, strict=True))
+           if not decodes(c, n)]
     if not idx:
         return None
     offsets = np.cumsum([0, *query_lens[:-1]])

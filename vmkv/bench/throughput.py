@@ -120,6 +120,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     stats = engine.scheduler.stats
     before = (stats.num_preemptions, stats.num_recomputed_tokens)
     ops_before = _op_totals(engine)
+    spec_before = engine.spec.counters.copy() if engine.spec is not None else None
     ids = [f"{tag}-{i}" for i in range(len(requests))]
     bar = progress_bar(progress, tag, total=len(requests))
     faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -147,6 +148,8 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     result["preemptions"] = stats.num_preemptions - before[0]
     result["recomputed_tokens"] = stats.num_recomputed_tokens - before[1]
     result.update(_map_numbers(ops_before, _op_totals(engine)))
+    if engine.spec is not None and spec_before is not None:  # vLLM's spec_decode counters
+        result["spec_decode"] = engine.spec.counters.since(spec_before).as_dict()
     result.update(steps=steps, wall_s=wall, sample_overhead_s=overhead, cpu_s=cpu,
                   minor_faults=minor_faults,
                   output_tokens_per_cpu_s=result["output_tokens"] / cpu if cpu else None,

@@ -9,6 +9,8 @@ benches run every request greedily with ``ignore_eos=True`` and exactly ``output
     alpaca-like     lognormal lengths with Alpaca's published means (19.31 in / 58.45 out)
     long-context    prompts of 2000-4000 tokens, 256-512 output tokens (decode over long KV)
     shared-prefix   one common prefix (default 512 tokens) + a unique suffix per request
+    input-grounded  chat tasks that quote their prompt (renames, typo fixes, quotes of this
+                    project's files: vmkv/bench/grounded.py), for speculative decoding
     jsonl           ``{"prompt": str | list[int], "output_len": int}`` per line
 
 The lognormal lengths are stratified (one draw in each of the ``n`` equal-probability bins,
@@ -30,7 +32,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-WORKLOADS = ("random", "sharegpt-like", "alpaca-like", "long-context", "shared-prefix", "jsonl")
+WORKLOADS = ("random", "sharegpt-like", "alpaca-like", "long-context", "shared-prefix", "jsonl",
+             "input-grounded")
 Range = tuple[int, int]
 
 
@@ -223,6 +226,8 @@ def build(spec: WorkloadSpec, vocab_size: int, special_ids: Iterable[int] = (),
     """The requests ``spec`` describes, for a model with ``vocab_size`` tokens."""
     if spec.name == "jsonl":
         return load_jsonl(spec.path, encode)[: spec.num_prompts]
+    if spec.name == "input-grounded":
+        raise ValueError("the input-grounded workload is text: build it with for_tokenizer")
     vocab = allowed_token_ids(vocab_size, special_ids)
     n, seed = spec.num_prompts, spec.seed
     if spec.name in ("sharegpt-like", "alpaca-like"):
@@ -256,6 +261,12 @@ def for_tokenizer(spec: WorkloadSpec, tokenizer: Any, vocab_size: int | None = N
                   ) -> list[BenchRequest]:
     """:func:`build` for a model with this HF tokenizer (its specials excluded from prompts)."""
     size = vocab_size or len(tokenizer)
+    if spec.name == "input-grounded":
+        from vmkv.bench.grounded import chat_encoder, grounded_workload
+
+        tasks = grounded_workload(spec.num_prompts, chat_encoder(tokenizer),
+                                  lambda text: tokenizer(text).input_ids, seed=spec.seed)
+        return [BenchRequest(ids, n) for _, ids, n in tasks]
     return build(spec, size, special_token_ids(tokenizer),
                  encode=lambda text: tokenizer(text).input_ids)
 

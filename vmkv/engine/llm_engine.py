@@ -33,6 +33,7 @@ from vmkv.models import load_tokenizer, resolve_model
 from vmkv.sampling import Sampler
 from vmkv.sampling.logprobs import prompt_logprobs
 from vmkv.sampling_params import SamplingParams
+from vmkv.spec_decode.proposer import create_spec_decoding
 from vmkv.structured.compiler import GrammarCompilerCache
 
 logger = logging.getLogger("vmkv")
@@ -112,9 +113,13 @@ class LLMEngine:
         self.model_config, self.max_model_len = executor.model_config, executor.max_model_len
         # close() or, for an engine nobody closed, its garbage collection releases it
         self._resources = weakref.finalize(self, executor.close)
+        #: speculative decoding (None: off): proposals, the adaptive policy, its counters
+        self.spec = (create_spec_decoding(config, self.max_model_len)
+                     if config.speculative_config is not None else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   preemption_mode=config.preemption_mode)
+                                   preemption_mode=config.preemption_mode,
+                                   propose=self.spec.propose if self.spec else None)
         generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = stop_token_ids(self.model_config, self.tokenizer)
@@ -209,9 +214,8 @@ class LLMEngine:
         for seq in req.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
-                seq.finish_reason, seq.stop_reason = reason, stop_reason
-                self.scheduler.remove(seq)
-                self.counters.finished[reason] += 1
+                seq.stop_reason = stop_reason
+                self._finish(seq, reason)
 
     def _fail_request(self, req: Request, exc: Exception, touched: dict[str, Request]) -> None:
         """The OS/driver refused ``req``'s KV memory: it fails (every sample), others go on."""
@@ -280,6 +284,14 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, ready: list[Sequence],
                 touched: dict[str, Request]) -> None:
+        if self.spec is not None and any(s.draft_token_ids for s in ready):
+            t = time.perf_counter_ns()  # verify what ran proposals, roll their KV back
+            verified, plain_rows, ready = self.spec.verify(
+                self.sampler, logits, ready, self._append, self.scheduler.rollback)
+            self.last_step.sample_ns += time.perf_counter_ns() - t
+            touched.update((seq.request.request_id, seq.request) for seq in verified)
+            logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.int64,
+                                                         device=logits.device))
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, seq in enumerate(ready):
@@ -331,16 +343,20 @@ class LLMEngine:
         return children
 
     def _append(self, seq: Sequence, token: int, logprob: float | None,
-                top: list[tuple[int, float]] | None) -> None:
+                top: list[tuple[int, float]] | None) -> bool:
+        """Append a sampled token; True when ``seq`` finished with it."""
         self.counters.generation_tokens += 1
         reason = self.outputs.append(seq, token, logprob, top)
         if reason is not None:
             self._finish(seq, reason)
+        return reason is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.counters.finished[reason] += 1
+        if self.spec is not None:
+            self.spec.finished(seq)
 
     # -- outputs ------------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput | None:
@@ -358,6 +374,8 @@ class LLMEngine:
             return
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        if self.spec is not None:
+            self.spec.close()
         self._resources()
 
     def check_health(self) -> None:

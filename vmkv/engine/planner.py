@@ -14,8 +14,9 @@ from vmkv.executor.plan import StepPlan
 
 class RowOwners(NamedTuple):
     """Whose rows a :class:`StepPlan`'s results are: the sequence of each sample row, in row
-    order; and per prompt span, the sequence and the first prompt position it scores
-    (position ``p`` predicts token ``p + 1``)."""
+    order (a sequence with proposals once, for its ``1 + len(draft_token_ids)`` rows); and per
+    prompt span, the sequence and the first prompt position it scores (position ``p``
+    predicts token ``p + 1``)."""
 
     sampled: list[Sequence]
     prompt_spans: list[tuple[Sequence, int]]
@@ -23,8 +24,9 @@ class RowOwners(NamedTuple):
 
 def plan_step(out: SchedulerOutput) -> tuple[StepPlan, RowOwners]:
     """Sequences whose scheduled tokens reach their end (finished prefills and decodes) are
-    sampled; a sequence whose request wants prompt logprobs also gets the hidden states of the
-    prompt positions this step computes and that ``prompt_logprobs_from`` says are missing."""
+    sampled (a verify step's sequence: all its ``1 + len(draft_token_ids)`` rows); a sequence
+    whose request wants prompt logprobs also gets the hidden states of the prompt positions
+    this step computes and that ``prompt_logprobs_from`` says are missing."""
     ids: list[int] = []
     positions: list[int] = []
     context_lens: list[int] = []
@@ -41,11 +43,15 @@ def plan_step(out: SchedulerOutput) -> tuple[StepPlan, RowOwners]:
         if first < last:
             spans.append((len(ids) + first - c, last - first))
             prompt_spans.append((seq, first))
-        ids.extend(seq.token_ids[c : c + n])
+        drafts = seq.draft_token_ids  # a verify step: the last token, then the proposals
+        ids.extend(seq.token_ids[c : c + n] if not drafts else [seq.token_ids[c], *drafts])
         positions.extend(range(c, c + n))
         context_lens.append(c)
         query_lens.append(n)
-        if c + n == seq.num_tokens:
+        if drafts:  # every row is sampled (vmkv/spec_decode/verifier.py)
+            sample_rows.extend(range(len(ids) - n, len(ids)))
+            sampled.append(seq)
+        elif c + n == seq.num_tokens:
             sample_rows.append(len(ids) - 1)
             sampled.append(seq)
     plan = StepPlan([s.seq_id for s in out.scheduled], context_lens, query_lens, ids,

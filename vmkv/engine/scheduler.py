@@ -25,6 +25,7 @@ memory the OS or driver refuses (the KV manager raises ``VmmError``) is finished
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vmkv.config import PREEMPTION_MODES
@@ -75,7 +76,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
+        propose: Callable[[Sequence, int, int], list[int]] | None = None,
     ) -> None:
+        """``propose(seq, room, batch_size)``: speculative decoding's proposals for a decoding
+        sequence (at most ``room``), scheduled as ``1 + len(proposals)`` query tokens."""
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         if max_num_batched_tokens <= 0:
@@ -88,6 +92,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -130,7 +135,11 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_new_tokens, budget)
             try:
-                allocated = self._allocate_or_preempt(seq, n, out)
+                # room for proposals: what the budget keeps after one token each for the rest
+                if self._speculate(seq, n, budget - (len(self.running) - 1 - i)):
+                    n, allocated = 1 + len(seq.draft_token_ids), True
+                else:
+                    allocated = self._allocate_or_preempt(seq, n, out)
             except VmmError as exc:
                 self._fail(seq, exc, out)
                 continue
@@ -163,6 +172,18 @@ class Scheduler:
             out.add(seq, n)
             budget -= n
         return out
+
+    def _speculate(self, seq: Sequence, n: int, room: int) -> bool:
+        """Schedule decoding ``seq`` with proposals (``seq.draft_token_ids``) when there are
+        some and their room is free now (False: as usual, one token)."""
+        if (self.propose is None or n != 1 or room < 2 or not seq.num_output_tokens
+                or seq.pending_forks):
+            return False
+        drafts = self.propose(seq, room - 1, len(self.running))
+        if not drafts or not self.kv.allocate(seq.seq_id, 1 + len(drafts)):
+            return False
+        seq.draft_token_ids = drafts
+        return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Room for the waiting head's next chunk: its token count, or None when it must wait
@@ -197,9 +218,22 @@ class Scheduler:
         prefix = self.kv.prefix
         for seq in out.scheduled:
             seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
-            if prefix.enabled:
+            if prefix.enabled and not seq.draft_token_ids:  # (proposals: after verifying)
                 prefix.publish(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                seq.request.cache_salt)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """After ``seq``'s verify step: it keeps the KV of its first ``num_tokens`` tokens
+        (the verified ones), the rejected proposals' room goes back (``kv.free`` with
+        ``keep_tokens``), and only verified tokens reach the prefix cache."""
+        seq.draft_token_ids = []
+        if seq.is_finished:  # its KV is gone already
+            return
+        self.kv.free(seq.seq_id, keep_tokens=num_tokens)
+        seq.num_computed_tokens = num_tokens
+        if self.kv.prefix.enabled:
+            self.kv.prefix.publish(seq.seq_id, seq.token_ids, num_tokens,
+                                   seq.request.cache_salt)
 
     # -- prefix caching -----------------------------------------------------------------------
     def _match_prefix(self, seq: Sequence) -> int:

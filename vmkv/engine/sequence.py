@@ -75,6 +75,9 @@ class Sequence:
     pending_forks: int = 0  # children to fork once the prompt is prefilled
     swapped: SwappedKV | None = None  # while preempted in swap mode
     output: SeqOutputState | None = None  # what is not emitted yet (the output processor's)
+    #: proposals scheduled after the last token this step (speculative decoding), until the
+    #: step's verification (vmkv/spec_decode/verifier.py) takes or rejects them
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

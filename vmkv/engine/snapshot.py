@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vmkv.engine.llm_engine import LLMEngine
@@ -35,6 +35,8 @@ class Snapshot:
     prefix_enabled: bool = False
     step_tokens: list[int] = field(default_factory=list)  # per bucket (EngineCounters)
     step_tokens_sum: int = 0
+    #: speculative decoding's counters (SpecDecodeCounters.as_dict); None when it is off
+    spec_decode: dict[str, Any] | None = None
     taken_at: float = field(default_factory=time.monotonic)
 
 
@@ -59,6 +61,7 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         prefix_enabled=prefix.enabled,
         step_tokens=list(engine.counters.step_tokens),
         step_tokens_sum=engine.counters.step_tokens_sum,
+        spec_decode=engine.spec.counters.as_dict() if engine.spec is not None else None,
     )
 
 
@@ -95,4 +98,9 @@ def combine(snapshots: list[Snapshot]) -> Snapshot:
                  "recomputed_tokens", "swapped_tokens", "prefix_queries", "prefix_hits",
                  "step_tokens_sum"):
         setattr(total, name, sum(getattr(s, name) for s in snapshots))
+    specs = [s.spec_decode for s in snapshots if s.spec_decode is not None]
+    if specs:
+        total.spec_decode = {k: ([sum(c) for c in zip(*(d[k] for d in specs), strict=True)]
+                                 if isinstance(specs[0][k], list) else sum(d[k] for d in specs))
+                             for k in specs[0] if k.startswith("spec_decode_")}
     return total

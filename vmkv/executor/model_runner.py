@@ -3,6 +3,7 @@ logits of its sample rows (and the prompt spans' hidden states) out. Every rank 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,8 @@ from vmkv.models.llama import LlamaModel
 
 if TYPE_CHECKING:
     from vmkv.executor.cuda_graphs import DecodeGraphRunner
+
+logger = logging.getLogger("vmkv")
 
 
 class ModelRunner:
@@ -33,6 +36,7 @@ class ModelRunner:
         self.attn = attn
         self.graphs = graphs
         self.device = model.device
+        self._said_verify_is_eager = False
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -60,10 +64,16 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, wanted: list[int]) -> torch.Tensor:
         every_row = len(wanted) == plan.num_tokens
-        if every_row and self.graphs is not None and self.graphs.can_run(plan.query_lens):
-            # decode-only: one copy into the bucket's static buffer, then a graph replay
-            return self.graphs.run(plan.request_ids, plan.context_lens, plan.input_ids,
-                                   plan.positions)
+        if every_row and self.graphs is not None:
+            if self.graphs.can_run(plan.query_lens):
+                # decode-only: one copy into the bucket's static buffer, then a graph replay
+                return self.graphs.run(plan.request_ids, plan.context_lens, plan.input_ids,
+                                       plan.positions)
+            if not self._said_verify_is_eager and all(c > 0 for c in plan.context_lens):
+                self._said_verify_is_eager = True
+                logger.info("CUDA graphs: steps with several query rows per request "
+                            "(speculative decoding's verify steps) run eagerly: the graphs "
+                            "capture decode steps of one row per request")
         meta = self.attn.prepare(plan.request_ids, plan.context_lens, plan.query_lens)
         ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=self.device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)  # [T]

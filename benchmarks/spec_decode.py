@@ -1,0 +1,248 @@
+"""Speculative decoding on one user (batch 1), honest about acceptance: time per output token
+with and without proposals on the input-grounded workload (vmkv/bench/grounded.py: renames,
+typo fixes, quotes of this project's own files) and on random tokens, alternated, each run a
+fresh process; acceptance, mean accepted length, the share of accepted tokens inside repeated
+n-grams of the output itself, and whether the greedy tokens were the same.
+
+    python benchmarks/spec_decode.py --out DIR [--repeats 5] [--num-prompts 9]
+        [--spec '{"method": "ngram", "num_speculative_tokens": 5, ...}'] [--kv-mode virtual]
+        [--lock /tmp/vmkv-bench.lock] [--openvino] [--max-output 256]
+
+Each run: one engine (``LLMEngine``, the default model, the machine's default dtype), one
+warm-up request, then every prompt alone (batch 1), greedy, ``ignore_eos``, exactly its
+output length; TPOT = (finish - first token) / (n - 1) from the engine's own clock, the
+median over prompts per run, the median of runs per variant. ``--openvino``: OpenVINO GenAI's
+``LLMPipeline`` with ``prompt_lookup=True`` on the same token ids (its venv and export from
+benchmarks/peers/setup.sh), in the rotation. Writes ``spec_decode.json`` and a plot under
+``--out``; ``--lock`` holds an exclusive flock per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4}
+OV_CHILD = ROOT / "benchmarks" / "peers" / "openvino_prompt_lookup.py"
+
+
+def workloads(num_prompts: int, max_output: int, seed: int = 0) -> dict[str, list[dict]]:
+    """``{"grounded": [...], "random": [...]}``: ``{"kind", "prompt", "output_len"}`` rows."""
+    from vmkv.bench.grounded import chat_encoder, grounded_workload
+    from vmkv.bench.workloads import WorkloadSpec, for_tokenizer
+    from vmkv.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    grounded = grounded_workload(num_prompts, chat_encoder(tok), lambda t: tok(t).input_ids,
+                                 seed=seed, max_output=max_output)
+    random_rows = for_tokenizer(WorkloadSpec("random", num_prompts=num_prompts,
+                                             input_len=(128, 512), output_len=(128, 128),
+                                             seed=seed), tok)
+    return {"grounded": [{"kind": k, "prompt": ids, "output_len": n} for k, ids, n in grounded],
+            "random": [{"kind": "random", "prompt": r.prompt_token_ids,
+                        "output_len": r.output_len} for r in random_rows]}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fresh engine over one workload file: a JSON line of its numbers."""
+    from vmkv.process_tuning import tune_process
+
+    tune_process()
+    from vmkv.bench.grounded import repeated_ngram_share
+    from vmkv.config import EngineConfig
+    from vmkv.engine.llm_engine import LLMEngine
+    from vmkv.sampling_params import SamplingParams
+
+    rows = json.loads(Path(args.child).read_text())
+    spec = json.loads(args.spec) if args.spec != "off" else None
+    engine = LLMEngine(EngineConfig(kv_mode=args.kv_mode, speculative_config=spec))
+    if engine.spec is not None:
+        engine.spec.accepted_positions = {}
+
+    def one(rid: str, row: dict) -> Any:
+        engine.add_request(rid, row["prompt"], SamplingParams(
+            temperature=0.0, max_tokens=row["output_len"], ignore_eos=True))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        return final
+
+    one("warmup", rows[0])
+    before = engine.spec.counters.copy() if engine.spec is not None else None
+    tpots, outputs, accepted = [], [], []
+    for i, row in enumerate(rows):
+        out = one(f"r{i}", row)
+        m, tokens = out.metrics, out.outputs[0].token_ids
+        tpots.append((m.finish_time - m.first_token_time) / max(1, len(tokens) - 1))
+        outputs.append(tokens)
+        if engine.spec is not None:
+            accepted.append(engine.spec.accepted_positions.get(f"r{i}:0", []))
+    result: dict[str, Any] = {"tpot_ms": [t * 1e3 for t in tpots],
+                              "tpot_median_ms": statistics.median(tpots) * 1e3,
+                              "outputs": outputs, "dtype": engine.config.dtype_choice[0]}
+    if engine.spec is not None and before is not None:
+        result["spec_decode"] = engine.spec.counters.since(before).as_dict()
+        result["repeated_ngram_share"] = repeated_ngram_share(outputs, accepted)
+    engine.close()
+    print("RESULT " + json.dumps(result))
+
+
+class Held:
+    """An exclusive flock on ``path`` while in the block (no-op for None)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.file = path, None
+
+    def __enter__(self) -> None:
+        if self.path:
+            self.file = open(self.path, "a")  # noqa: SIM115
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def run_child(cmd: list[str], lock: str | None) -> dict[str, Any]:
+    with Held(lock):
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--num-prompts", type=int, default=9)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC))
+    ap.add_argument("--kv-mode", default="virtual")
+    ap.add_argument("--workloads", default="grounded,random")
+    ap.add_argument("--lock", default=None)
+    ap.add_argument("--openvino", action="store_true")
+    ap.add_argument("--openvino-python",
+                    default=str(Path.home() / ".cache/vmkv/openvino-venv/bin/python"))
+    ap.add_argument("--openvino-model", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = workloads(args.num_prompts, args.max_output)
+    names = args.workloads.split(",")
+    files = {}
+    for name in names:
+        files[name] = out / f"{name}.json"
+        files[name].write_text(json.dumps(rows[name]))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    variants = {"off": "off", "spec": args.spec}
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        for name in names:
+            for variant in order:
+                cmd = [*me, "--out", str(out), "--child", str(files[name]), "--spec",
+                       variants[variant], "--kv-mode", args.kv_mode]
+                r = run_child(cmd, args.lock)
+                runs.append({"workload": name, "variant": variant, "repeat": rep, **r})
+                print(f"{name} {variant} rep {rep}: {r['tpot_median_ms']:.2f} ms/token",
+                      flush=True)
+            if args.openvino and name == "grounded":
+                cmd = [args.openvino_python, str(OV_CHILD), args.openvino_model,
+                       str(files[name]), "--threads", str(os.cpu_count()),
+                       "--num-assistant-tokens", str(json.loads(args.spec).get(
+                           "num_speculative_tokens", 5)),
+                       "--max-ngram-size", str(json.loads(args.spec).get(
+                           "prompt_lookup_max", 4))]
+                r = run_child(cmd, args.lock)
+                runs.append({"workload": name, "variant": "openvino-prompt-lookup",
+                             "repeat": rep, **r})
+                print(f"{name} openvino rep {rep}: {r['tpot_median_ms']:.2f} ms/token", flush=True)
+    result = summarise(runs, names, args)
+    (out / "spec_decode.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    plot(result, out / "spec_decode.png")
+    return 0
+
+
+def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Namespace
+              ) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for name in names:
+        mine = [r for r in runs if r["workload"] == name]
+        med = {v: statistics.median(r["tpot_median_ms"] for r in mine if r["variant"] == v)
+               for v in {r["variant"] for r in mine}}
+        spec_runs = [r for r in mine if r["variant"] == "spec"]
+        off_runs = [r for r in mine if r["variant"] == "off"]
+        s: dict[str, Any] = {"tpot_median_ms": med,
+                             "spec_over_off": med["spec"] / med["off"],
+                             "same_greedy_tokens": all(r["outputs"] == off_runs[0]["outputs"]
+                                                       for r in spec_runs + off_runs)}
+        if "openvino-prompt-lookup" in med:
+            s["spec_over_openvino"] = med["spec"] / med["openvino-prompt-lookup"]
+        sd = spec_runs[0].get("spec_decode", {})
+        s.update(acceptance_rate=sd.get("acceptance_rate"),
+                 mean_accepted_length=sd.get("mean_accepted_length"),
+                 repeated_ngram_share=spec_runs[0].get("repeated_ngram_share"),
+                 spec_decode=sd)
+        summary[name] = s
+    return {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"}
+                                         for r in runs],
+            "settings": {"spec": json.loads(args.spec), "kv_mode": args.kv_mode,
+                         "num_prompts": args.num_prompts, "repeats": args.repeats,
+                         "max_output": args.max_output, "dtype": runs[0].get("dtype")},
+            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
+                        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["summary"])
+    variants = sorted({v for s in result["summary"].values() for v in s["tpot_median_ms"]})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(variants)
+    for j, v in enumerate(variants):
+        ys = [result["summary"][n]["tpot_median_ms"].get(v, 0) for n in names]
+        ax.bar([i + j * width for i in range(len(names))], ys, width, label=v)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("time per output token (ms), batch 1")
+    ax.set_title("speculative decoding, median of alternated fresh runs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
