@@ -122,7 +122,8 @@ def table(state: dict[str, Any]) -> str:
     """Markdown: median output tok/s per engine and mix, then vmkv / best peer per precision."""
     mixes = [m for m in MIXES if m in state["mixes"]]
     summaries = {m: state["mixes"][m]["summary"] for m in mixes}
-    engines = [e for e in ENGINES if any(e in s["median"] for s in summaries.values())]
+    engines = [e for e in ENGINES + WEIGHT_ENGINES
+               if any(e in s["median"] for s in summaries.values())]
     lines = ["| engine | " + " | ".join(mixes) + " |", "|---" * (len(mixes) + 1) + "|"]
     for e in engines:
         cells = [f"{summaries[m]['median'][e]:.1f}" if e in summaries[m]["median"] else "-"
