@@ -69,7 +69,7 @@ class ModelRunner:
                 # decode-only: one copy into the bucket's static buffer, then a graph replay
                 return self.graphs.run(plan.request_ids, plan.context_lens, plan.input_ids,
                                        plan.positions)
-            if not self._said_verify_is_eager and all(c > 0 for c in plan.context_lens):
+            if not self._said_verify_is_eager and len(plan.sample_rows) > len(plan.query_lens):
                 self._said_verify_is_eager = True
                 logger.info("CUDA graphs: steps with several query rows per request "
                             "(speculative decoding's verify steps) run eagerly: the graphs "
