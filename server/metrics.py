@@ -123,7 +123,7 @@ class Metrics:
     def _cache_config_info(self, config: EngineConfig, num_engines: int) -> None:
         """vLLM's ``cache_config_info``: a gauge at 1 whose labels are the KV settings."""
         cache = config.cache
-        info = {"block_size": str(cache.block_size), "cache_dtype": config.torch_dtype_name,
+        info = {"block_size": str(cache.block_size), "cache_dtype": config.kv_cache_dtype_name,
                 "enable_prefix_caching": str(cache.enable_prefix_caching),
                 "prefix_caching_hash_algo": cache.prefix_cache_hash,
                 "kv_mode": cache.kv_mode, "kv_layout": str(cache.kv_layout),

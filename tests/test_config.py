@@ -26,8 +26,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_llm_names_unknown_options_and_suggests_the_field() -> None:
-    with pytest.raises(TypeError, match=r"'kv_cache_bytes' \(did you mean 'kv_cache_memory'\?\)"):
-        LLM(kv_cache_bytes=1 << 20)
+    with pytest.raises(TypeError, match=r"'kv_cache_memroy' \(did you mean 'kv_cache_memory'\?\)"):
+        LLM(kv_cache_memroy=1 << 20)
     with pytest.raises(TypeError, match="'colour'.*the options are EngineConfig's fields"):
         LLM(kv_mode="paged", colour="red")
 

@@ -35,6 +35,9 @@ from vmkv.spec_decode.config import SpeculativeConfig, parse_speculative_config
 KV_MODES = ("virtual", "paged")
 LAYOUTS = ("all-layers", "per-layer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``--kv-cache-dtype`` (vLLM's flag and fp8 names): auto is the model's dtype; int8 (CPU) and
+#: fp8 (CUDA) store K/V compressed (docs/configuration.md, "The KV cache's dtype")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
@@ -87,6 +90,11 @@ class EngineConfig:
     dtype: str = option(
         "auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bfloat16 "
         "hardware (AMX-BF16 or AVX512-BF16), float32 on other CPUs", choices=DTYPES)
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's dtype: auto (the model's, --dtype), float32 or bfloat16 (the "
+        "same as --dtype), int8 (CPU: per token and KV head, a float16 scale beside each "
+        "head's values; about half of bfloat16's bytes) or fp8_e4m3 / fp8_e5m2 (CUDA)",
+        choices=KV_CACHE_DTYPES)
     max_model_len: int | None = option(
         None, "longest prompt + output; default: the model's limit", minimum=1)
     max_num_seqs: int = option(
@@ -198,6 +206,12 @@ class EngineConfig:
         object.__setattr__(self, "dtype_choice", resolve_dtype(self.dtype, self.device))
         object.__setattr__(self, "speculative_config",
                            parse_speculative_config(self.speculative_config))
+        check_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype_name, self.device)
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV cache's dtype: ``kv_cache_dtype``, or the model's for ``auto``."""
+        return self.torch_dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def torch_dtype_name(self) -> str:
@@ -234,6 +248,25 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
     if flags:
         return "bfloat16", f"auto: this CPU has bfloat16 hardware ({', '.join(flags)})"
     return "float32", "auto: this CPU has no bfloat16 hardware (amx_bf16 or avx512_bf16)"
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> None:
+    """ValueError where ``device`` cannot keep a ``kv_cache_dtype`` cache for a model in
+    ``dtype``; the message names the choices that work there."""
+    works = (("auto", dtype, "int8") if device == "cpu" else ("auto", dtype))
+    if kv_cache_dtype in works:
+        return
+    if kv_cache_dtype in ("float32", "bfloat16"):
+        why = (f"the attention kernels read K/V in the model's dtype ({dtype}); choose --dtype "
+               f"{kv_cache_dtype} to keep a {kv_cache_dtype} cache")
+    elif device == "cpu":
+        why = "fp8 KV is a GPU format (the CPU kernels compress to int8)"
+    elif kv_cache_dtype == "int8":
+        why = "int8 KV is the CPU kernels' format (CUDA compresses to fp8)"
+    else:
+        why = "fp8 KV in the Triton twins is not built yet"
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} on {device}: {why}; choose one of "
+                     f"{', '.join(dict.fromkeys(works))}")
 
 
 def resolve_max_model_len(max_model_len: int | None, model_limit: int) -> int:

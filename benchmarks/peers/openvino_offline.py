@@ -27,7 +27,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("workload")
-    ap.add_argument("--precision", choices=("f32", "bf16"), required=True)
+    ap.add_argument("--precision", choices=("f32", "bf16", "u8kv", "default"), required=True,
+                    help="f32 / bf16: compute and KV; u8kv: bf16 compute over a u8 KV cache; "
+                         "default: no precision hints (OpenVINO's own choice)")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -44,9 +46,11 @@ def main() -> None:
     scheduler.max_num_seqs = args.max_num_seqs
     scheduler.max_num_batched_tokens = args.max_num_batched_tokens
     scheduler.dynamic_split_fuse = True  # chunked prefill, as vLLM and vmkv
-    properties = {"INFERENCE_NUM_THREADS": args.threads,
-                  "INFERENCE_PRECISION_HINT": args.precision,
-                  "KV_CACHE_PRECISION": args.precision}
+    hints = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "u8kv": ("bf16", "u8")}
+    properties: dict = {"INFERENCE_NUM_THREADS": args.threads}
+    if args.precision in hints:
+        compute, kv = hints[args.precision]
+        properties.update(INFERENCE_PRECISION_HINT=compute, KV_CACHE_PRECISION=kv)
     started = time.monotonic()
     pipe = og.ContinuousBatchingPipeline(args.model, scheduler, "CPU", properties)
     init_s = time.monotonic() - started

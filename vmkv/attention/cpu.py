@@ -8,7 +8,9 @@ its loops were blocked over query rows it beats torch's SDPA flash kernel: float
 prompts, 30 layers on a 2-core EPYC, 301-322 ms against 581-631 ms). Without the kernels (no
 compiler, or neither float32 nor bfloat16) every request runs torch's SDPA over a strided view of
 the slot (virtual, the cache read in place) or a block-table gather (paged). Nothing past a
-request's length is read, so pages beyond it may stay unmapped.
+request's length is read, so pages beyond it may stay unmapped. An int8 cache
+(``--kv-cache-dtype int8``: rows ``[kv_heads, head_dim + 2]``, a scale after each head's values)
+is written by the quantising store and read only by the kernels (no SDPA fallback).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from vmkv.attention import cpu_batches
 from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_each
 from vmkv.attention.step import token_positions
+from vmkv.kernels import cpu_attention_int8
+from vmkv.kernels.cpu_attention_int8 import rotate, unrotate
 from vmkv.kv.addressing import BlockAddressing, SlotAddressing, by_group
 from vmkv.kv.base import KVCacheManager
 
@@ -69,6 +73,11 @@ class CpuAttentionBackend(AttentionBackend):
         self._flat = [(k.flatten(0, 1), v.flatten(0, 1))
                       for k, v in (kv.layer_kv(i) for i in range(kv.spec.num_layers))]
         self.batched_decode = self.batched_prefill = cpu_batches.use_kernels(kv.spec.dtype)
+        #: an int8 cache: written by the quantising store, read by the kernels only
+        self.int8 = kv.spec.quantized
+        if self.int8 and not self.batched_decode:
+            raise RuntimeError("--kv-cache-dtype int8 needs the CPU attention kernels, which "
+                               "could not be built (see the log); use --kv-cache-dtype auto")
         #: each layer's sliding window in tokens (0: full attention), applied by every path
         self.windows = kv.spec.windows
 
@@ -113,6 +122,11 @@ class CpuAttentionBackend(AttentionBackend):
         if rows.decode is None or rows.decode.query_rows is not None:
             return super().forward(layer, q, k, v, meta, scale)
         k_flat, v_flat = self._flat[layer]
+        if self.int8:  # rows and queries rotated (cpu_attention_int8.rotation), float32
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float32)
+            cpu_batches.run_decode(rows.decode, rotate(q), k_flat, v_flat, out, scale,
+                                   new_kv=(rotate(k), rotate(v)), window=self.windows[layer])
+            return unrotate(out, q.shape[-1], q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v),
                                window=self.windows[layer])
@@ -123,6 +137,9 @@ class CpuAttentionBackend(AttentionBackend):
         assert isinstance(meta, CpuStepMetadata)
         write_rows = meta.rows_of(layer).write_rows
         k_flat, v_flat = self._flat[layer]
+        if self.int8:
+            cpu_attention_int8.store(k_flat, v_flat, write_rows, rotate(k), rotate(v))
+            return
         k_flat.index_copy_(0, write_rows, k)
         v_flat.index_copy_(0, write_rows, v)
 
@@ -131,6 +148,18 @@ class CpuAttentionBackend(AttentionBackend):
         assert isinstance(meta, CpuStepMetadata)
         k_flat, v_flat = self._flat[layer]
         window, rows = self.windows[layer], meta.rows_of(layer)
+        if self.int8:  # rows and queries rotated (cpu_attention_int8.rotation), float32
+            q_rot = rotate(q)
+            out = q_rot.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            if rows.decode is not None:
+                cpu_batches.run_decode(rows.decode, q_rot, k_flat, v_flat, out, scale,
+                                       window=window)
+            if rows.prefill is not None:
+                cpu_batches.run_prefill(rows.prefill, q_rot, k_flat, v_flat, out, scale, window)
+            if any(r is not None for r in rows.seq_rows):
+                raise RuntimeError("an int8 KV cache is read by the batched kernels only "
+                                   "(batched_decode and batched_prefill must stay on)")
+            return unrotate(out, q.shape[-1], q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         if rows.decode is not None:
             cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, window=window)

@@ -4,7 +4,10 @@ A step mixes decodes (1 new token) and prefill chunks (many, causal after the ca
 The CPU backend hands every decode to :func:`vmkv.kernels.cpu_attention.decode` at once and every
 prefill chunk to :func:`vmkv.kernels.cpu_attention.prefill` at once, both reading the cache in
 place (slot rows in virtual mode, block-table rows in paged mode); SDPA per request is the
-fallback (no compiler, or neither float32 nor bfloat16).
+fallback (no compiler, or neither float32 nor bfloat16). An int8 cache (``--kv-cache-dtype
+int8``) always takes the kernels: decode reads the int8 rows in place
+(:mod:`vmkv.kernels.cpu_attention_int8`), prefill chunks read their rows dequantised into the
+model's dtype first.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vmkv.kernels import amx_prefill, cpu_attention
+from vmkv.kernels import amx_prefill, cpu_attention, cpu_attention_int8
 from vmkv.kv.addressing import Addressing
 
 
@@ -55,8 +58,10 @@ class PrefillBatch:
 
 
 def use_kernels(dtype: torch.dtype) -> bool:
-    """Whether the batched kernels serve this cache (float32 or bfloat16, and the kernel
-    library built)."""
+    """Whether the batched kernels serve this cache (float32, bfloat16 or int8, and the kernel
+    libraries built)."""
+    if dtype == torch.int8:
+        return cpu_attention.available() and cpu_attention_int8.available()
     return dtype in cpu_attention.DTYPE_CODES and cpu_attention.available()
 
 
@@ -126,17 +131,17 @@ def run_decode(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat
     ``new_kv = (k, v) [T, kv_heads, D]`` (every row decodes) the kernel stores those rows in
     the cache first. ``window``: the layer's sliding window (0: none)."""
     r = batch.rows
+    kernel = cpu_attention_int8.decode if k_flat.dtype == torch.int8 else cpu_attention.decode
     if batch.query_rows is None:
-        cpu_attention.decode(q, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
-                             block_table=r.block_table, block_size=r.block_size,
-                             new_kv=new_kv, out=out, window=window)
+        kernel(q, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
+               block_table=r.block_table, block_size=r.block_size, new_kv=new_kv, out=out,
+               window=window)
         return
     if new_kv is not None:
         raise ValueError("the decode kernel stores new K/V only when every row decodes")
-    res = cpu_attention.decode(q.index_select(0, batch.query_rows), k_flat, v_flat,
-                               batch.seq_lens, scale, starts=r.starts,
-                               block_table=r.block_table, block_size=r.block_size,
-                               window=window)
+    res = kernel(q.index_select(0, batch.query_rows), k_flat, v_flat, batch.seq_lens, scale,
+                 starts=r.starts, block_table=r.block_table, block_size=r.block_size,
+                 window=window)
     out.index_copy_(0, batch.query_rows, res)
 
 
@@ -144,8 +149,16 @@ def run_prefill(batch: PrefillBatch, q: torch.Tensor, k_flat: torch.Tensor,
                 v_flat: torch.Tensor, out: torch.Tensor, scale: float, window: int = 0) -> None:
     """Attend every chunk of ``batch``, writing its rows of ``out [T, heads*D]`` in place;
     ``window``: the layer's sliding window (0: none; the AMX kernel has none, so a window's
-    chunks go to the vector kernel)."""
+    chunks go to the vector kernel). An int8 cache's rows are dequantised into ``q``'s dtype
+    first (each chunk's visible rows once; the kernels then read that buffer as slot rows)."""
     r = batch.rows
+    if k_flat.dtype == torch.int8:
+        first = ((batch.seq_lens - batch.q_lens - window + 1).clamp(min=0) if window
+                 else torch.zeros_like(batch.seq_lens))
+        k_flat, v_flat, starts = cpu_attention_int8.dequantize(
+            k_flat, v_flat, batch.seq_lens, first, q.dtype, starts=r.starts,
+            block_table=r.block_table, block_size=r.block_size)
+        r = Rows(starts=starts)
     if not window and use_amx_prefill(q.dtype, q.shape[-1]):
         amx_prefill.prefill(q, k_flat, v_flat, batch.q_start, batch.q_lens, batch.seq_lens,
                             scale, out, starts=r.starts, block_table=r.block_table,

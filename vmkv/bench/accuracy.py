@@ -1,8 +1,9 @@
-"""``vmkv bench accuracy``: teacher-forced agreement and perplexity of weight formats, through
-the engine itself.
+"""``vmkv bench accuracy``: teacher-forced agreement and perplexity of weight formats and KV
+cache dtypes, through the engine itself.
 
     text (the project's own docs by default) -> tokens -> chunks of --chunk tokens
-    each variant (quantization:dtype, e.g. gguf:float32) scores every chunk with
+    each variant (quantization:dtype[:kv_cache_dtype], e.g. gguf:float32 or none:bfloat16:int8;
+    --kv-cache-dtype int8 scores the reference's weights with that KV) scores every chunk with
     prompt_logprobs=1: per position its top-1 token and the text's next token's logprob
     against the reference variant (default none:float32, the dequantized float32 model):
         agreement   share of positions whose top-1 token is the reference's
@@ -38,16 +39,19 @@ class Scores:
         return math.exp(-sum(self.logprobs) / len(self.logprobs))
 
 
-def parse_variant(text: str) -> tuple[str, str]:
-    """``quantization:dtype`` (dtype defaults to float32) -> the pair; ValueError otherwise."""
-    from vmkv.config import DTYPES, QUANTIZATIONS
+def parse_variant(text: str) -> tuple[str, str, str]:
+    """``quantization[:dtype[:kv_cache_dtype]]`` (float32, auto by default) -> the triple;
+    ValueError otherwise."""
+    from vmkv.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
-    quant, _, dtype = text.partition(":")
-    dtype = dtype or "float32"
-    if quant not in QUANTIZATIONS or dtype not in DTYPES:
-        raise ValueError(f"a variant is quantization[:dtype] with quantization in "
-                         f"{QUANTIZATIONS} and dtype in {DTYPES}, got {text!r}")
-    return quant, dtype
+    quant, _, rest = text.partition(":")
+    dtype, _, kv = rest.partition(":")
+    dtype, kv = dtype or "float32", kv or "auto"
+    if quant not in QUANTIZATIONS or dtype not in DTYPES or kv not in KV_CACHE_DTYPES:
+        raise ValueError(f"a variant is quantization[:dtype[:kv_cache_dtype]] with quantization "
+                         f"in {QUANTIZATIONS}, dtype in {DTYPES} and kv_cache_dtype in "
+                         f"{KV_CACHE_DTYPES}, got {text!r}")
+    return quant, dtype, kv
 
 
 def text_tokens(tokenizer: Any, files: list[str] | None, root: Path) -> tuple[list[int], str]:
@@ -96,8 +100,9 @@ def run(variants: list[str], reference: str, *, model: str | None = None,
                   max_num_batched_tokens=max(chunk, 2048), enable_prefix_caching=False)
     results = {}
     for variant in dict.fromkeys([reference, *variants]):
-        quant, dtype = parse_variant(variant)
-        results[variant] = score({**common, "quantization": quant, "dtype": dtype}, chunks)
+        quant, dtype, kv = parse_variant(variant)
+        results[variant] = score({**common, "quantization": quant, "dtype": dtype,
+                                  "kv_cache_dtype": kv}, chunks)
     ref = results[reference]
     rows = []
     for variant, s in results.items():

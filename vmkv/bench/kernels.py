@@ -15,8 +15,11 @@ with the default model's KV shape (30 layers, 3 KV heads x 64, float32), timing
 Blocks are handed out round-robin, one block per request at a time, so each request's blocks
 interleave as they do when requests grow together. Decode: one new token per request after
 ``context - 1`` cached; prefill: a chunk of ``prefill_len`` new tokens after ``context -
-prefill_len``. ``prepare`` (once per step, shared by all layers) is timed on its own. Both modes
-are timed alternately; each figure is the median of ``repeats`` runs after ``warmup`` runs.
+prefill_len``. ``--kv-cache-dtype float32,bfloat16,int8`` times each KV dtype (int8: rows
+quantised by the engine's store, q and the new rows in bfloat16 where the CPU has it, else
+float32; column ``kv_dtype``). ``prepare`` (once per step, shared by all layers) is timed on
+its own. Both modes are timed alternately; each figure is the median of ``repeats`` runs after
+``warmup`` runs.
 
 CUDA (when available): the Triton twins, see :mod:`vmkv.bench.kernels_cuda`.
 """
@@ -35,6 +38,7 @@ from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.bench.timing import call_ms
 from vmkv.config import CacheConfig
 from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
+from vmkv.kv.spec import kv_storage_dtype
 
 PHASES = ("decode", "decode-sdpa", "prefill")
 
@@ -55,14 +59,26 @@ def _managers(spec: KVSpec, batch: int, context: int, layout: str, block_size: i
     return out
 
 
+def compute_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of q and the new rows against a ``kv_dtype`` cache: its own, or for int8
+    bfloat16 where the CPU has bfloat16 hardware (else float32)."""
+    if kv_dtype != torch.int8:
+        return kv_dtype
+    from vmkv.cpu_info import bf16_hardware
+
+    return torch.bfloat16 if bf16_hardware() else torch.float32
+
+
 def _fill(kv: KVCacheManager, backend: Any, batch: int, context: int, seed: int) -> None:
-    """Random K/V in every request's rows of layer 0 (commits the memory being read)."""
+    """Random K/V in every request's rows of layer 0 (commits the memory being read; an int8
+    cache through the backend's quantising write)."""
     ids = [f"r{i}" for i in range(batch)]
-    rows = backend.prepare(ids, [0] * batch, [context] * batch).write_rows
+    meta = backend.prepare(ids, [0] * batch, [context] * batch)
     gen = torch.Generator().manual_seed(seed)
-    for t in kv.layer_kv(0):
-        data = torch.randn(len(rows), *t.shape[-2:], generator=gen, dtype=t.dtype)
-        t.flatten(0, 1).index_copy_(0, rows, data)
+    spec = kv.spec
+    k, v = (torch.randn(len(meta.write_rows), spec.num_kv_heads, spec.head_dim, generator=gen,
+                        dtype=compute_dtype(spec.dtype)) for _ in range(2))
+    backend.write_kv(0, k, v, meta)
 
 
 def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill_len: int,
@@ -84,9 +100,12 @@ def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill
         ctx, qlens = [context - query] * batch, [query] * batch
         metas = {m: b.prepare(ids, ctx, qlens) for m, b in backends.items()}
         gen = torch.Generator().manual_seed(seed + 1)
-        q = torch.randn(batch * query, NUM_HEADS, spec.head_dim, generator=gen)
-        k = torch.randn(batch * query, spec.num_kv_heads, spec.head_dim, generator=gen)
-        v = torch.randn(batch * query, spec.num_kv_heads, spec.head_dim, generator=gen)
+        dtype = compute_dtype(spec.dtype)
+        q = torch.randn(batch * query, NUM_HEADS, spec.head_dim, generator=gen, dtype=dtype)
+        k = torch.randn(batch * query, spec.num_kv_heads, spec.head_dim, generator=gen,
+                        dtype=dtype)
+        v = torch.randn(batch * query, spec.num_kv_heads, spec.head_dim, generator=gen,
+                        dtype=dtype)
         scale = spec.head_dim**-0.5
         times: dict[str, list[float]] = {m: [] for m in kvs}
         prep: dict[str, list[float]] = {m: [] for m in kvs}
@@ -101,7 +120,8 @@ def measure_point(spec: KVSpec, batch: int, context: int, phase: str, *, prefill
     finally:
         for kv in kvs.values():
             kv.close()
-    row: dict[str, Any] = {"device": "cpu", "phase": phase, "batch": batch, "context": context,
+    row: dict[str, Any] = {"device": "cpu", "kv_dtype": str(spec.dtype).removeprefix("torch."),
+                           "phase": phase, "batch": batch, "context": context,
                            "query_len": query,
                            "decode_kernel": kernel and phase == "decode"}
     for m in kvs:
@@ -116,7 +136,7 @@ def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (
         layout: str = "all-layers", block_size: int = 16, page_size: int | None = None,
         repeats: int = 20, warmup: int = 3, max_tokens: int = 32768,
         shape: tuple[int, int, int] = SMOLLM2_135M, cuda: bool = True,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, kv_dtypes: Sequence[str] = ("float32",)) -> dict[str, Any]:
     """Every (phase, batch, context) point with ``batch * context <= max_tokens`` (the CPU
     holds that many tokens of all 30 layers per mode); CUDA points too when a GPU exists."""
     for name, values in (("batch_sizes", batch_sizes), ("context_lens", context_lens)):
@@ -127,20 +147,20 @@ def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (
     bad = set(phases) - set(PHASES)
     if bad:
         raise ValueError(f"phases must be among {PHASES}, got {sorted(bad)}")
-    spec = KVSpec(*shape, dtype=torch.float32)
-    points = [(p, b, c) for p in phases for b in batch_sizes for c in context_lens
-              if b * c <= max_tokens]
+    specs = [KVSpec(*shape, dtype=kv_storage_dtype(name)) for name in kv_dtypes]
+    points = [(s, p, b, c) for p in phases for b in batch_sizes for c in context_lens
+              for s in specs if b * c <= max_tokens]
     skipped = [f"batch {b} x context {c}" for b in batch_sizes for c in context_lens
                if b * c > max_tokens]
     bar = progress_bar(progress, "kernels", iterable=points, unit="point")
     rows = []
-    for phase, batch, context in bar:
+    for spec, phase, batch, context in bar:
         rows.append(measure_point(spec, batch, context, phase, prefill_len=prefill_len,
                                   layout=layout, block_size=block_size, repeats=repeats,
                                   warmup=warmup, page_size=page_size))
     result: dict[str, Any] = {
         "kv_shape": {"layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
-                     "num_heads": NUM_HEADS, "dtype": "float32"},
+                     "num_heads": NUM_HEADS, "dtype": ",".join(kv_dtypes)},
         "layout": layout, "block_size": block_size, "page_size": page_size,
         "prefill_len": prefill_len,
         "repeats": repeats, "warmup": warmup, "skipped": skipped, "rows": rows,
@@ -155,5 +175,5 @@ def run(batch_sizes: Sequence[int] = (1, 8, 32), context_lens: Sequence[int] = (
     return result
 
 
-COLUMNS = ("device", "phase", "batch", "context", "query_len", "virtual_ms", "paged_ms",
+COLUMNS = ("device", "kv_dtype", "phase", "batch", "context", "query_len", "virtual_ms", "paged_ms",
            "identity_ms", "shuffled_ms", "ratio", "virtual_prepare_ms", "paged_prepare_ms")

@@ -77,10 +77,11 @@ def kernels(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     plt = pyplot()
     from matplotlib import ticker
 
-    groups = sorted({(r["device"], r["phase"]) for r in result["rows"]})
+    groups = sorted({(r["device"], r["phase"], r.get("kv_dtype", "")) for r in result["rows"]})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.4), squeeze=False)
-    for ax, (device, phase) in zip(axes[0], groups, strict=True):
-        rows = [r for r in result["rows"] if r["device"] == device and r["phase"] == phase]
+    for ax, (device, phase, kv_dtype) in zip(axes[0], groups, strict=True):
+        rows = [r for r in result["rows"] if r["device"] == device and r["phase"] == phase
+                and r.get("kv_dtype", "") == kv_dtype]
         styles = {"virtual": "-", "paged": "--", "identity": "-.", "shuffled": "--"}
         for i, batch in enumerate(sorted({r["batch"] for r in rows})):
             mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
@@ -88,7 +89,7 @@ def kernels(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
                 ax.plot([r["context"] for r in mine], [r[f"{key}_ms"] for r in mine],
                         styles[key], marker="o", color=f"C{i}", label=f"B={batch} {key}")
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per layer",
-               title=f"{device} {phase}")
+               title=f"{device} {phase} {kv_dtype}".strip())
         contexts = sorted({r["context"] for r in rows})
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xticks(contexts, [str(c) for c in contexts])

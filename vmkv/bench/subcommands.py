@@ -157,7 +157,8 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
                          layout=args.kv_layout or default_layout("cpu"),
                          block_size=args.block_size, repeats=args.repeats, warmup=args.warmup,
                          max_tokens=args.max_tokens, cuda=not args.no_cuda,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress,
+                         kv_dtypes=args.kv_cache_dtype.split(","))
     result = {"bench": "kernels", "options": common.options(args), **result}
     common.finish(result, result["rows"], kernels.COLUMNS, args.json, plots.kernels, args.plot)
     for what in result["skipped"]:
@@ -181,7 +182,11 @@ def cmd_bench_profile(args: argparse.Namespace) -> int:
 def cmd_bench_accuracy(args: argparse.Namespace) -> int:
     from vmkv.bench import accuracy, common
 
-    result = accuracy.run(args.variants.split(","), args.reference, model=args.model,
+    variants = args.variants.split(",")
+    if args.kv_cache_dtype:  # the reference's weights with each KV dtype
+        base = ":".join(accuracy.parse_variant(args.reference)[:2])
+        variants = [f"{base}:{kv}" for kv in args.kv_cache_dtype.split(",")]
+    result = accuracy.run(variants, args.reference, model=args.model,
                           texts=args.text, positions=args.positions, chunk=args.chunk,
                           kv_mode=args.kv_mode)
     result = {"bench": "accuracy", "options": common.options(args), **result}
@@ -310,6 +315,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32768,
                    help="skip CPU points with batch x context above this (memory)")
+    p.add_argument("--kv-cache-dtype", default="float32", metavar="LIST",
+                   help="comma-separated KV dtypes timed side by side: float32, bfloat16, "
+                        "int8 (q in bfloat16 where the CPU has it)")
     p.add_argument("--no-cuda", action="store_true", help="skip the Triton twins on CUDA")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", metavar="PATH")
@@ -336,7 +344,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                                           "weight formats against a reference, through the engine")
     add_model_arg(p)
     p.add_argument("--variants", default="gguf:float32,gguf:bfloat16,int8:float32,w8a8:float32",
-                   help="comma-separated quantization[:dtype] to score")
+                   help="comma-separated quantization[:dtype[:kv_cache_dtype]] to score")
+    p.add_argument("--kv-cache-dtype", metavar="LIST",
+                   help="comma-separated KV cache dtypes (e.g. int8) to score with the "
+                        "reference's weights and dtype, instead of --variants")
     p.add_argument("--reference", default="none:float32",
                    help="the variant the others are compared with (default: the dequantized "
                         "float32 model)")

@@ -226,12 +226,17 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
     engines: dict[str, LLMEngine] = {}
     startup: dict[str, dict[str, float]] = {}
     weights: dict[str, str] = {}  # each engine's weight format and resident bytes
+    kv_info: dict[str, dict[str, Any]] = {}  # each engine's KV dtype and tokens per GiB
     runs: list[dict[str, Any]] = []
     try:
         for mode, config in configs.items():
             engines[mode], startup[mode] = build_engine(config)
             weights[mode] = next((line for line in engines[mode].executor.describe()
                                   if line.startswith("weights: ")), "")
+            spec = engines[mode].kv.spec  # the KV dtype's bytes per token, scales included
+            kv_info[mode] = {"kv_cache_dtype": config.kv_cache_dtype_name,
+                             "kv_bytes_per_token": spec.bytes_per_token,
+                             "kv_tokens_per_gib": 2**30 // spec.bytes_per_token}
         structures = [None] if structured is None else [None, structured]
         variants = [(mode, so) for mode in engines for so in structures]
         for mode, so in variants:
@@ -249,7 +254,8 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
         for engine in engines.values():
             engine.close()
     dtypes = {mode: {**dict(zip(("dtype", "why"), c.dtype_choice, strict=True)),
-                     "quantization": c.quantization, "weights": weights.get(mode, "")}
+                     "quantization": c.quantization, "weights": weights.get(mode, ""),
+                     **kv_info.get(mode, {})}
               for mode, c in configs.items()}
     return {"startup": startup, "dtype": dtypes, "runs": runs, **summarise_runs(runs)}
 

@@ -151,8 +151,8 @@ class LLMEngine:
             f"{self.executor.dtype}: {self.config.dtype_choice[1]}) on {self.config.device}, "
             f"loaded in "
             f"{self.startup_seconds:.1f} s",
-            f"KV cache: {kv.kv_mode} mode, {accounting.usage.capacity_bytes / 2**20:,.0f} MiB "
-            f"physical "
+            f"KV cache: {kv.kv_mode} mode, {kv.spec.describe()}, "
+            f"{accounting.usage.capacity_bytes / 2**20:,.0f} MiB physical "
             f"= {cap:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per "
             f"request: {cap / self.max_model_len:.2f}x; prefix caching "
             f"{'on' if self.kv.prefix.enabled else 'off'}",

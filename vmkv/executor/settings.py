@@ -18,7 +18,8 @@ class WorkerSettings:
     Attributes:
         model_path: the model folder or ``.gguf`` file (resolved).
         device: rank 0's device (``cpu`` or ``cuda[:N]``; other ranks take the next GPUs).
-        dtype: the weights' and KV cache's dtype, resolved (never ``auto``).
+        dtype: the weights' (and activations') dtype, resolved (never ``auto``).
+        kv_cache_dtype: the KV cache's dtype, resolved (the model's, or ``int8``).
         linear_backend: the CPU linears (``vmkv.models.linear``).
         quantization: the weights' format (``vmkv.models.quant``; ``auto`` resolved at load).
         tensor_parallel_size: ranks the model is sharded over.
@@ -35,6 +36,7 @@ class WorkerSettings:
     model_path: Path
     device: str
     dtype: str
+    kv_cache_dtype: str
     linear_backend: str
     quantization: str
     tensor_parallel_size: int
@@ -58,6 +60,7 @@ class WorkerSettings:
         one_rank = config.tensor_parallel_size == 1
         return cls(
             model_path=model_path, device=config.device, dtype=config.torch_dtype_name,
+            kv_cache_dtype=config.kv_cache_dtype_name,
             linear_backend=config.linear_backend, quantization=str(config.quantization),
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,

@@ -68,7 +68,8 @@ class Worker:
             quantization=settings.quantization)
         self.max_model_len = resolve_max_model_len(settings.max_model_len,
                                                    self.model_config.max_model_len)
-        self.kv = create_kv_cache(settings.cache, self.model.config.kv_spec(dtype),
+        kv_spec = self.model.config.kv_spec(settings.kv_cache_dtype)
+        self.kv = create_kv_cache(settings.cache, kv_spec,
                                   num_slots=settings.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device)
         self.attn = create_attention_backend(self.kv, settings.attention_backend)

@@ -15,9 +15,16 @@ Either way a layer's K (or V) handed to attention is a strided ``[slot, token, k
 head_dim]`` view of the same memory, never a copy. ``slot_tokens`` is ``max_model_len`` rounded
 up so that a slot is a whole number of pages (tokens may straddle page boundaries inside it).
 
-Room left for what comes next (docs/memory.md, "Seams"): a :class:`KVSpec` carries its own KV
-``dtype`` (today the model's; a compressed KV would differ) and the bytes per token that follow
-from it, and it describes *layer groups* (:class:`LayerGroup`: full-attention layers, and
+A :class:`KVSpec` carries its own KV ``dtype`` (the model's, or int8: ``--kv-cache-dtype``) and
+the bytes per token that follow from it. An int8 cache is quantised per token and KV head,
+symmetrically, and each head's row holds its scale right after its values, so every view,
+copy, swap, fork and prefix share of a row carries the scale with it:
+
+    int8 head row   | head_dim int8 values | float16 scale (2 bytes) |   = head_dim + 2 bytes
+                    value = int8 * scale;  scale = max|x| / 127 of that token's head
+
+Views of such a cache are ``[..., kv_head, head_dim + 2]`` int8 (:attr:`KVSpec.row_dim`). It also
+describes *layer groups* (:class:`LayerGroup`: full-attention layers, and
 sliding-window layers whose queries see only their last tokens: Gemma 3's). The attention
 backends read each layer's window (:attr:`KVSpec.windows`) and apply it.
 """
@@ -32,6 +39,22 @@ import torch
 
 from vmkv.config import LAYOUTS
 
+#: bytes of the float16 scale after each head's int8 values (--kv-cache-dtype int8)
+INT8_SCALE_BYTES = 2
+#: the KV cache's storage by ``--kv-cache-dtype`` name (auto resolved before: the model's)
+KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "int8": torch.int8}
+
+
+def kv_storage_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype a KV cache named ``name`` (``--kv-cache-dtype``, resolved) stores."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    if key not in KV_STORAGE:
+        raise ValueError(f"a KV cache dtype must be one of {sorted(KV_STORAGE)}, got {name!r}")
+    return KV_STORAGE[key]
+
 
 @dataclass(frozen=True)
 class LayerGroup:
@@ -45,8 +68,9 @@ class LayerGroup:
 @dataclass(frozen=True)
 class KVSpec:
     """Per-token KV shape of a model: ``num_layers`` x (K, V) x ``num_kv_heads`` x ``head_dim``
-    of ``dtype``, the KV cache's own dtype (today always the model's), in ``layer_groups``
-    (empty: one full-attention group of every layer, what every model has today)."""
+    of ``dtype``, the KV cache's own dtype (the model's, or ``torch.int8``: quantised rows with a
+    float16 scale each, see the module docstring), in ``layer_groups`` (empty: one
+    full-attention group of every layer, what every model but Gemma 3 has)."""
 
     num_layers: int
     num_kv_heads: int
@@ -86,14 +110,31 @@ class KVSpec:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @cached_property
+    def quantized(self) -> bool:
+        """Whether rows are int8 values with a scale each (``--kv-cache-dtype int8``)."""
+        return self.dtype == torch.int8
+
+    @cached_property
+    def row_dim(self) -> int:
+        """Elements of one head's row in the cache: ``head_dim``, + the scale's 2 bytes in an
+        int8 cache (the last dim of :meth:`VirtualLayout.layer_views` and of paged blocks)."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.quantized else 0)
+
+    @cached_property
     def head_bytes(self) -> int:
-        """Bytes of one layer's K (or V) for one token, in the KV dtype."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one layer's K (or V) for one token, in the KV dtype (scales included)."""
+        return self.num_kv_heads * self.row_dim * self.itemsize
 
     @cached_property
     def bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
         return 2 * self.num_layers * self.head_bytes
+
+    def describe(self) -> str:
+        """The KV dtype and what it costs: ``int8 (11,880 bytes a token = 90,382 tokens per
+        GiB)`` (the start-up report's words)."""
+        return (f"{str(self.dtype).removeprefix('torch.')} ({self.bytes_per_token:,} bytes a "
+                f"token = {2**30 // self.bytes_per_token:,} tokens per GiB)")
 
 
 @dataclass(frozen=True)
@@ -187,7 +228,7 @@ class VirtualLayout:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) views ``[slot, token, kv_head, head_dim]`` over the region bytes."""
         spec, t = self.spec, self.slot_tokens
-        h, d = spec.num_kv_heads, spec.head_dim
+        h, d = spec.num_kv_heads, spec.row_dim
         typed = [r.view(spec.dtype) for r in regions]
         if self.name == "per-layer":
             shaped = [r.view(num_slots, t, h, d) for r in typed]

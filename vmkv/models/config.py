@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vmkv.kv.spec import KVSpec, LayerGroup
+from vmkv.kv.spec import KVSpec, LayerGroup, kv_storage_dtype
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -228,8 +228,9 @@ class ModelConfig:
         return min(self.max_position_embeddings, window)
 
     def kv_spec(self, dtype: torch.dtype | str = torch.float32) -> KVSpec:
-        """Per-token KV shape for the cache managers, in layer groups where the layers'
-        windows differ (full-attention layers first, then one group per window)."""
+        """Per-token KV shape for the cache managers in the KV ``dtype`` (the model's, or
+        ``int8``), in layer groups where the layers' windows differ (full-attention layers
+        first, then one group per window)."""
         groups: tuple[LayerGroup, ...] = ()
         if any(self.layer_windows):
             by_window: dict[int, list[int]] = {}
@@ -237,8 +238,8 @@ class ModelConfig:
                 by_window.setdefault(window, []).append(layer)
             groups = tuple(LayerGroup(tuple(layers), window or None)
                            for window, layers in sorted(by_window.items()))
-        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, parse_dtype(dtype),
-                      groups)
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim,
+                      kv_storage_dtype(dtype), groups)
 
 
 def _architecture(cfg: Any) -> str:

@@ -1,7 +1,8 @@
 """What a paged cache's tensor-parallel ranks share, and the one place that changes it.
 
     PagedState (the manager's ``changes`` part)
-      kv            [lane, k|v, num_blocks, block_size, kv_head, head_dim] this rank's bytes
+      kv            [lane, k|v, num_blocks, block_size, kv_head, row_dim] this rank's bytes
+                    (row_dim: head_dim, + an int8 cache's scale: KVSpec.row_dim)
                     (lanes = layers without sliding-window layers; see blocks.block_groups)
       block_tables  request -> block ids (lists: the truth; ``tables`` mirrors them in numpy),
                     one dict per block group (``group_tables``; ``block_tables`` is group 0's)
@@ -46,7 +47,7 @@ class PagedState(ChangeLog):
         #: (layers, window) of each block group; one group of every layer without windows
         self.groups = block_groups(spec)
         self.lanes = len(self.groups[0][0])
-        shape = (self.lanes, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (self.lanes, 2, num_blocks, block_size, spec.num_kv_heads, spec.row_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.groups]
         self.block_tables = self.group_tables[0]

@@ -1,0 +1,595 @@
+// An int8 KV cache on the CPU (--kv-cache-dtype int8): the fused quantising write, the decode
+// kernel that reads int8 rows in place, and the dequantising gather the prefill kernels read.
+//
+// Each head's row of a token (K or V) is its int8 values and then a float16 scale:
+//
+//   | dim int8 values | scale (float16, 2 bytes) |     value = int8 * scale, scale = max|x| / 127
+//
+// at  base + row * stride_row + kv_head * stride_head  (bytes), row as in cpu_rows.h (slot rows in
+// virtual mode, block-table rows in paged mode: the twins, one loop body for both, so they give
+// bit-identical outputs on the same data). Quantisation is symmetric, per token and KV head,
+// rounded to nearest with the float16-rounded scale (docs/memory.md, "An int8 KV cache").
+//
+// Decode, where the cache is most of the bytes a step reads: with AVX-512 VNNI the query is
+// quantised to int16 per head (relative error 2^-16, where the int8 K's is 2^-8) and the scores are
+// integer dot products of K's int8 widened to int16 (vpdpwssd: two per 64-element head, no float
+// conversion of K), 16 tokens' sums reduced into one vector at once; V is widened to float in
+// registers and accumulated in float32 (online softmax, float32). Compiled per GQA group and
+// head_dim (64 or 128) so that the scores and the value accumulators stay in registers; other
+// shapes and CPUs without VNNI use a portable loop (float32 arithmetic on the dequantised values).
+//
+// Built by vmkv/kernels/cpu_attention_int8.py (g++ -O3 -march=native -fopenmp), called through
+// ctypes.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "cpu_rows.h"
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace vmkv;
+
+constexpr int64_t kScaleBytes = 2;   // the float16 scale after each head's values
+constexpr int64_t kMaxTaskRows = 48;  // query heads of one decode task (its KV heads x group)
+
+// float16 <-> float32, round to nearest even (F16C where the CPU has it).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3FFu) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | man << 13;
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+inline uint16_t float_to_half(float f) {  // f finite, >= 0, below 65520 (a scale)
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  if (f < 6.103515625e-05f) {  // subnormal range: units of 2^-24
+    return static_cast<uint16_t>(std::nearbyint(f * 16777216.0f));
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t exp = ((bits >> 23) & 0xFFu) - 112, man = bits & 0x7FFFFFu;
+  uint32_t h = exp << 10 | man >> 13;
+  const uint32_t rest = man & 0x1FFFu;  // round to nearest even (a carry moves the exponent)
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(h);
+#endif
+}
+
+inline float row_scale(const int8_t* row, int64_t dim) {
+  uint16_t h;
+  std::memcpy(&h, row + dim, sizeof(h));
+  return half_to_float(h);
+}
+
+// x[0 .. dim) quantised into dst: dim int8 values, then the float16 scale max|x| / 127.
+template <typename T>
+inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  const uint16_t h = float_to_half(std::min(amax / 127.0f, 65504.0f));
+  const float s = half_to_float(h);
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float r = std::nearbyint(to_float(x[d]) * inv);
+    dst[d] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+  }
+  std::memcpy(dst + dim, &h, sizeof(h));
+}
+
+// The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), quantised into
+// each request's last token (seq_lens[b] - 1) before it attends; k == nullptr: none.
+template <typename T>
+struct NewRows {
+  const T* k = nullptr;
+  int64_t k_stride_b = 0, k_stride_h = 0;
+  const T* v = nullptr;
+  int64_t v_stride_b = 0, v_stride_h = 0;
+};
+
+// What one decode task reads and writes (request b, KV heads [kvh0, kvh1)).
+template <typename T>
+struct DecodeArgs {
+  const T* q;
+  int64_t q_stride_b, q_stride_h;
+  const int8_t* k;
+  const int8_t* v;
+  int64_t stride_row, stride_head;
+  const int64_t* starts;
+  const int32_t* table;
+  int64_t table_stride, block_size;
+  int64_t group, dim;
+  float scale;
+  T* out;
+  int64_t out_stride_b, out_stride_h;
+};
+
+// Portable: the task's query heads one at a time, float32 arithmetic on dequantised values.
+template <typename T, bool PAGED>
+void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
+                     int64_t kvh1) {
+  const int64_t dim = a.dim;
+  std::vector<float> qf(static_cast<size_t>(dim)), acc(static_cast<size_t>(dim));
+  for (int64_t h = kvh0; h < kvh1; ++h) {
+    for (int64_t g = 0; g < a.group; ++g) {
+      const int64_t head = h * a.group + g;
+      const T* qr = a.q + b * a.q_stride_b + head * a.q_stride_h;
+      for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(qr[d]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float m = -INFINITY, l = 0.0f;
+      for (int64_t t = lo; t < len; ++t) {
+        const int64_t row = row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
+        const int8_t* kr = a.k + row * a.stride_row + h * a.stride_head;
+        const int8_t* vr = a.v + row * a.stride_row + h * a.stride_head;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dot += qf[d] * static_cast<float>(kr[d]);
+        const float s = dot * row_scale(kr, dim) * a.scale;
+        const float m_new = std::max(m, s);
+        const float rescale = max_rescale(m, m_new), p = exp_nonpositive(s - m_new);
+        const float w = p * row_scale(vr, dim);
+        for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] * rescale + w * static_cast<float>(vr[d]);
+        l = l * rescale + p;
+        m = m_new;
+      }
+      T* o = a.out + b * a.out_stride_b + head * a.out_stride_h;
+      const float inv = len > lo ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d] * inv);
+    }
+  }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int64_t kBlock = 64;  // tokens per online-softmax step (four score vectors)
+constexpr int kMaxGroup = 8;
+
+// Sixteen int32 vectors -> one whose lane j is the sum of v[j]'s lanes (vsum16's shuffles).
+inline __m512i vsum16_i32(const __m512i* v) {
+  __m512i a[8], b[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = _mm512_castsi512_ps(a[2 * i]), y = _mm512_castsi512_ps(a[2 * i + 1]);
+    b[i] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(x, y, 0x44)),
+                            _mm512_castps_si512(_mm512_shuffle_ps(x, y, 0xEE)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], 0x88),
+                          _mm512_shuffle_i32x4(d[0], d[1], 0xDD));
+}
+
+// Int32 value accumulators of a dim chunk (two per query head and 32 dims) that fit in ~24
+// registers.
+template <int GROUP, int CH>
+constexpr int chunk_of() {
+  int cv = CH;
+  while (cv > 1 && 2 * GROUP * cv > 24) cv /= 2;
+  return cv;
+}
+
+// A task (request b, KV heads [kvh0, kvh1)) with GROUP query heads per KV head and head_dim
+// 32 * CH, all products integer (vpdpwssd) and exact:
+//   scores  the query as int16 (one scale per head) . K's int8 widened to int16, 16 tokens'
+//           int32 sums reduced into one vector, then scaled by the query's and each K row's
+//           scale;
+//   values  w = P * V's row scale as int16 (one scale per head and 64-token block: relative
+//           error 2^-16 of the block's largest), token pairs interleaved as in bf16 decode
+//           (unpacklo/hi of two rows: int32 lane 4L + k of chunk c is dim 32c + 8L + k, or + 4
+//           for the high half), summed per block in int32 (at most 64 * 127 * 32767 < 2^31),
+//           then added to float32 accumulators (online softmax, float32).
+template <typename T, int GROUP, int CH, bool PAGED>
+void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
+                 int64_t kvh1) {
+  constexpr int64_t dim = 32 * CH;
+  constexpr int CV = chunk_of<GROUP, CH>();
+  const int64_t span = kvh1 - kvh0;
+  alignas(64) float acc[kMaxTaskRows][dim];  // permuted lanes (above), undone at the store
+  float m[kMaxTaskRows], l[kMaxTaskRows], qscale[kMaxTaskRows];
+  alignas(64) int16_t q16[kMaxTaskRows][dim];
+  alignas(64) float ks[kBlock], vs[kBlock];
+  alignas(64) int16_t wq[GROUP][kBlock + 2];  // w of the head's block as int16, + zeros
+  int64_t rows[kBlock], next_rows[kBlock];
+  for (int64_t r = 0; r < span * GROUP; ++r) {  // the query as int16, one scale per head
+    const T* qr = a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(to_float(qr[d])));
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    qscale[r] = s * a.scale;
+    for (int64_t d = 0; d < dim; ++d) {
+      q16[r][d] = static_cast<int16_t>(std::nearbyint(to_float(qr[d]) / s));
+    }
+    std::fill(acc[r], acc[r] + dim, 0.0f);
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
+  const int64_t run = (span - 1) * a.stride_head + dim + kScaleBytes;  // a row's task bytes
+  const auto row_at = [&](int64_t t) {
+    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
+  };
+  for (int64_t t0 = lo; t0 < len; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 15) / 16;
+    for (int64_t j = 0; j < n; ++j) rows[j] = row_at(t0 + j);
+    for (int64_t j = n; j < vecs_n * 16; ++j) rows[j] = rows[0];  // masked off below
+    const int64_t ahead = std::max<int64_t>(0, std::min(kBlock, len - t0 - kBlock));
+    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = row_at(t0 + kBlock + j);
+    for (int64_t h = 0; h < span; ++h) {
+      const int64_t off = (kvh0 + h) * a.stride_head;
+      for (int64_t j = 0; j < vecs_n * 16; ++j) {
+        ks[j] = row_scale(a.k + rows[j] * a.stride_row + off, dim);
+        vs[j] = row_scale(a.v + rows[j] * a.stride_row + off, dim);
+      }
+      float rescale[GROUP], wscale[GROUP];
+      for (int g = 0; g < GROUP; ++g) {
+        const int64_t r = h * GROUP + g;
+        __m512i qv[CH];
+        for (int c = 0; c < CH; ++c) qv[c] = _mm512_load_si512(q16[r] + 32 * c);
+        __m512 scores[kBlock / 16];
+        __m512 block_max = _mm512_set1_ps(-INFINITY);
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          __m512i part[16];
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) {
+            const int8_t* kr = a.k + rows[u * 16 + j] * a.stride_row + off;
+            __m512i s = _mm512_setzero_si512();
+            for (int c = 0; c < CH; ++c) {
+              const __m512i kw = _mm512_cvtepi8_epi16(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + 32 * c)));
+              s = _mm512_dpwssd_epi32(s, kw, qv[c]);
+            }
+            part[j] = s;
+          }
+          if (h == 0 && g == 0) {  // the next block's rows, a few lines per 16 tokens
+            for (int64_t i = u * 16; i < std::min<int64_t>(u * 16 + 16, ahead); ++i) {
+              const char* kn = reinterpret_cast<const char*>(a.k + next_rows[i] * a.stride_row +
+                                                             kvh0 * a.stride_head);
+              const char* vn = reinterpret_cast<const char*>(a.v + next_rows[i] * a.stride_row +
+                                                             kvh0 * a.stride_head);
+              for (int64_t o = 0; o < run; o += 64) {
+                __builtin_prefetch(kn + o, 0, 1);
+                __builtin_prefetch(vn + o, 0, 1);
+              }
+            }
+          }
+          scores[u] = _mm512_mul_ps(
+              _mm512_mul_ps(_mm512_cvtepi32_ps(vsum16_i32(part)), _mm512_load_ps(ks + 16 * u)),
+              _mm512_set1_ps(qscale[r]));
+          const int64_t nu = std::min<int64_t>(16, n - u * 16);
+          const __mmask16 live = static_cast<__mmask16>((1u << nu) - 1u);
+          block_max = _mm512_mask_max_ps(block_max, live, block_max, scores[u]);
+        }
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(block_max));
+        rescale[g] = max_rescale(m[r], m_new);
+        __m512 sums = _mm512_setzero_ps();
+        __m512 w[kBlock / 16];
+        __m512 w_max = _mm512_setzero_ps();
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          const int64_t nu = std::min<int64_t>(16, n - u * 16);
+          const __m512 p = _mm512_maskz_mov_ps(
+              static_cast<__mmask16>((1u << nu) - 1u),
+              exp_nonpositive_v(_mm512_sub_ps(scores[u], _mm512_set1_ps(m_new))));
+          sums = _mm512_add_ps(sums, p);
+          w[u] = _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * u));
+          w_max = _mm512_max_ps(w_max, w[u]);
+        }
+        const float wm = _mm512_reduce_max_ps(w_max);
+        wscale[g] = wm / 32767.0f;
+        const __m512 to_int = _mm512_set1_ps(wm > 0.0f ? 32767.0f / wm : 0.0f);
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wq[g] + 16 * u),
+                             _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
+                                 _mm512_mul_ps(w[u], to_int))));
+        }
+        for (int64_t j = vecs_n * 16; j < kBlock; ++j) wq[g][j] = 0;
+        l[r] = l[r] * rescale[g] + _mm512_reduce_add_ps(sums);
+        m[r] = m_new;
+      }
+      for (int cc = 0; cc < CH; cc += CV) {  // values: CV chunks of 32 dims of every head
+        __m512i iacc[GROUP][2 * CV];
+        for (int g = 0; g < GROUP; ++g) {
+          for (int e = 0; e < 2 * CV; ++e) iacc[g][e] = _mm512_setzero_si512();
+        }
+        for (int64_t j = 0; j < n; j += 2) {
+          const int8_t* v0 = a.v + rows[j] * a.stride_row + off + 32 * cc;
+          const int8_t* v1 = j + 1 < n ? a.v + rows[j + 1] * a.stride_row + off + 32 * cc
+                                       : nullptr;
+          __m512i lo_w[CV], hi_w[CV];
+          for (int c = 0; c < CV; ++c) {
+            const __m512i x = _mm512_cvtepi8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * c)));
+            const __m512i z = v1 != nullptr
+                ? _mm512_cvtepi8_epi16(
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * c)))
+                : _mm512_setzero_si512();
+            lo_w[c] = _mm512_unpacklo_epi16(x, z);
+            hi_w[c] = _mm512_unpackhi_epi16(x, z);
+          }
+          for (int g = 0; g < GROUP; ++g) {
+            int32_t pair;  // w of tokens j, j + 1 (0 past n)
+            std::memcpy(&pair, &wq[g][j], sizeof(pair));
+            const __m512i pp = _mm512_set1_epi32(pair);
+            for (int c = 0; c < CV; ++c) {
+              iacc[g][2 * c] = _mm512_dpwssd_epi32(iacc[g][2 * c], lo_w[c], pp);
+              iacc[g][2 * c + 1] = _mm512_dpwssd_epi32(iacc[g][2 * c + 1], hi_w[c], pp);
+            }
+          }
+        }
+        for (int g = 0; g < GROUP; ++g) {
+          float* ar = acc[h * GROUP + g] + 32 * cc;
+          const __m512 f = _mm512_set1_ps(rescale[g]), ws = _mm512_set1_ps(wscale[g]);
+          for (int e = 0; e < 2 * CV; ++e) {
+            _mm512_store_ps(ar + 16 * e,
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[g][e]), ws,
+                                            _mm512_mul_ps(_mm512_load_ps(ar + 16 * e), f)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < span * GROUP; ++r) {
+    T* o = a.out + b * a.out_stride_b + (kvh0 * GROUP + r) * a.out_stride_h;
+    const float inv = len > lo ? 1.0f / l[r] : 0.0f;
+    for (int64_t c = 0; c < CH; ++c) {  // lane 4L + k of 2c: dim 32c + 8L + k; of 2c + 1: + 4
+      const float* lo_acc = acc[r] + 32 * c;
+      const float* hi_acc = lo_acc + 16;
+      for (int64_t lane = 0; lane < 4; ++lane) {
+        for (int64_t i = 0; i < 4; ++i) {
+          o[32 * c + 8 * lane + i] = from_float<T>(lo_acc[4 * lane + i] * inv);
+          o[32 * c + 8 * lane + 4 + i] = from_float<T>(hi_acc[4 * lane + i] * inv);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, bool PAGED>
+using TaskFn = void (*)(const DecodeArgs<T>&, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+template <typename T, bool PAGED, int CH, int... G>
+TaskFn<T, PAGED> vnni_of_group(int64_t group, std::integer_sequence<int, G...>) {
+  TaskFn<T, PAGED> fn = nullptr;
+  ((group == G + 1 ? (fn = &attend_vnni<T, G + 1, CH, PAGED>) : fn), ...);
+  return fn;
+}
+
+// The compiled task for this GQA group and head_dim, or nullptr (the portable loop).
+template <typename T, bool PAGED>
+TaskFn<T, PAGED> vnni_task(int64_t group, int64_t dim) {
+  const auto groups = std::make_integer_sequence<int, kMaxGroup>{};
+  switch (dim) {
+    case 64: return vnni_of_group<T, PAGED, 2>(group, groups);
+    case 128: return vnni_of_group<T, PAGED, 4>(group, groups);
+    default: return nullptr;
+  }
+}
+#endif
+
+template <typename T, bool PAGED>
+void decode(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch, int64_t kv_heads,
+            const NewRows<T>& fresh, int64_t window) {
+#if defined(_OPENMP)
+  const int64_t threads = omp_get_max_threads();
+#else
+  const int64_t threads = 1;
+#endif
+  // a task is a request's KV heads, all of them (one stream of rows per request) unless too few
+  // requests keep the threads busy: then one head each
+  const int64_t span = batch >= 4 * threads && kv_heads * a.group <= kMaxTaskRows ? kv_heads : 1;
+  const int64_t splits = kv_heads / span;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const TaskFn<T, PAGED> fast = vnni_task<T, PAGED>(a.group, a.dim);
+#endif
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < batch * splits; ++task) {
+    const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
+    const int64_t len = seq_lens[b];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    if (fresh.k != nullptr && len > 0) {  // quantise the new token's rows of these heads
+      const int64_t row = row_of<PAGED>(b, len - 1, a.starts, a.table, a.table_stride,
+                                        a.block_size);
+      for (int64_t h = kvh0; h < kvh1; ++h) {
+        quantize_row(fresh.k + b * fresh.k_stride_b + h * fresh.k_stride_h, a.dim,
+                     const_cast<int8_t*>(a.k) + row * a.stride_row + h * a.stride_head);
+        quantize_row(fresh.v + b * fresh.v_stride_b + h * fresh.v_stride_h, a.dim,
+                     const_cast<int8_t*>(a.v) + row * a.stride_row + h * a.stride_head);
+      }
+    }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (fast != nullptr) {
+      fast(a, b, lo, len, kvh0, kvh1);
+      continue;
+    }
+#endif
+    attend_portable<T, PAGED>(a, b, lo, len, kvh0, kvh1);
+  }
+}
+
+template <typename T>
+int decode_entry(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch,
+                 int64_t kv_heads, const NewRows<T>& fresh, int64_t window) {
+  if (a.table != nullptr) {
+    if (a.block_size <= 0) return 1;
+    decode<T, true>(a, seq_lens, batch, kv_heads, fresh, window);
+  } else {
+    if (a.starts == nullptr) return 1;
+    decode<T, false>(a, seq_lens, batch, kv_heads, fresh, window);
+  }
+  return 0;
+}
+
+// Rows [first[b], seq_lens[b]) of each request, dequantised to T at dst rows dst_starts[b] + t.
+template <typename T, bool PAGED>
+void dequantize(const int8_t* k, const int8_t* v, int64_t stride_row, int64_t stride_head,
+                const int64_t* starts, const int32_t* table, int64_t table_stride,
+                int64_t block_size, const int32_t* seq_lens, const int32_t* first,
+                int64_t batch, int64_t kv_heads, int64_t dim, T* dst_k, T* dst_v,
+                const int64_t* dst_starts) {
+  std::vector<int64_t> task_b, task_t;  // chunks of 64 tokens
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = first[b]; t < seq_lens[b]; t += 64) {
+      task_b.push_back(b);
+      task_t.push_back(t);
+    }
+  }
+  const int64_t tasks = static_cast<int64_t>(task_b.size());
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task_b[task], t1 = std::min<int64_t>(task_t[task] + 64, seq_lens[b]);
+    for (int64_t t = task_t[task]; t < t1; ++t) {
+      const int64_t row = row_of<PAGED>(b, t, starts, table, table_stride, block_size);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t src = row * stride_row + h * stride_head;
+        const int64_t dst = ((dst_starts[b] + t) * kv_heads + h) * dim;
+        const float sk = row_scale(k + src, dim), sv = row_scale(v + src, dim);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+          dst_k[dst + d] = from_float<T>(static_cast<float>(k[src + d]) * sk);
+          dst_v[dst + d] = from_float<T>(static_cast<float>(v[src + d]) * sv);
+        }
+      }
+    }
+  }
+}
+
+constexpr int kFloat32 = 0, kBFloat16 = 2;
+
+}  // namespace
+
+extern "C" {
+
+// Quantises rows k_new[t], v_new[t] ([tokens, kv_heads, dim] of dtype at the given strides) into
+// the int8 cache rows rows[t] (skipped where negative). Returns 0, or 1 on bad arguments.
+int vmkv_cpu_kv_int8_store(int dtype, void* k, void* v, int64_t stride_row, int64_t stride_head,
+                           const int64_t* rows, int64_t tokens, int64_t kv_heads, int64_t dim,
+                           const void* k_new, int64_t k_stride_t, int64_t k_stride_h,
+                           const void* v_new, int64_t v_stride_t, int64_t v_stride_h) {
+  if (kv_heads <= 0 || dim <= 0 || tokens < 0 || stride_head < dim + kScaleBytes) return 1;
+  if (dtype != kFloat32 && dtype != kBFloat16) return 1;
+  auto* kc = static_cast<int8_t*>(k);
+  auto* vc = static_cast<int8_t*>(v);
+#pragma omp parallel for schedule(static) if (tokens * kv_heads >= 256)
+  for (int64_t i = 0; i < tokens * kv_heads; ++i) {
+    const int64_t t = i / kv_heads, h = i % kv_heads;
+    if (rows[t] < 0) continue;
+    const int64_t at = rows[t] * stride_row + h * stride_head;
+    if (dtype == kFloat32) {
+      quantize_row(static_cast<const float*>(k_new) + t * k_stride_t + h * k_stride_h, dim,
+                   kc + at);
+      quantize_row(static_cast<const float*>(v_new) + t * v_stride_t + h * v_stride_h, dim,
+                   vc + at);
+    } else {
+      quantize_row(static_cast<const bf16*>(k_new) + t * k_stride_t + h * k_stride_h, dim,
+                   kc + at);
+      quantize_row(static_cast<const bf16*>(v_new) + t * v_stride_t + h * v_stride_h, dim,
+                   vc + at);
+    }
+  }
+  return 0;
+}
+
+// Decode attention over an int8 cache: q [batch, heads, dim] and out of dtype (float32 or
+// bfloat16), addressed by starts (virtual) or table (paged) as in cpu_attention.cpp; with k_new
+// (and v_new) the new rows are first quantised into each request's token seq_lens[b] - 1.
+// window > 0: only each request's last `window` tokens. Returns 0, or 1 on bad arguments.
+int vmkv_cpu_decode_attention_int8(
+    int dtype, const void* q, int64_t q_stride_b, int64_t q_stride_h, const void* k,
+    const void* v, int64_t stride_row, int64_t stride_head, const int64_t* starts,
+    const int32_t* table, int64_t table_stride, int64_t block_size, const int32_t* seq_lens,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, void* out,
+    int64_t out_stride_b, int64_t out_stride_h, const void* k_new, int64_t k_new_stride_b,
+    int64_t k_new_stride_h, const void* v_new, int64_t v_new_stride_b, int64_t v_new_stride_h,
+    int64_t window) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0 || window < 0) return 1;
+  if ((k_new == nullptr) != (v_new == nullptr) || stride_head < dim + kScaleBytes) return 1;
+  const auto *kc = static_cast<const int8_t*>(k), *vc = static_cast<const int8_t*>(v);
+  const int64_t group = heads / kv_heads;
+  if (dtype == kFloat32) {
+    const DecodeArgs<float> a{static_cast<const float*>(q), q_stride_b, q_stride_h, kc, vc,
+                              stride_row, stride_head, starts, table, table_stride, block_size,
+                              group, dim, scale, static_cast<float*>(out), out_stride_b,
+                              out_stride_h};
+    const NewRows<float> fresh{static_cast<const float*>(k_new), k_new_stride_b, k_new_stride_h,
+                               static_cast<const float*>(v_new), v_new_stride_b, v_new_stride_h};
+    return decode_entry(a, seq_lens, batch, kv_heads, fresh, window);
+  }
+  if (dtype == kBFloat16) {
+    const DecodeArgs<bf16> a{static_cast<const bf16*>(q), q_stride_b, q_stride_h, kc, vc,
+                             stride_row, stride_head, starts, table, table_stride, block_size,
+                             group, dim, scale, static_cast<bf16*>(out), out_stride_b,
+                             out_stride_h};
+    const NewRows<bf16> fresh{static_cast<const bf16*>(k_new), k_new_stride_b, k_new_stride_h,
+                              static_cast<const bf16*>(v_new), v_new_stride_b, v_new_stride_h};
+    return decode_entry(a, seq_lens, batch, kv_heads, fresh, window);
+  }
+  return 1;
+}
+
+// Rows [first[b], seq_lens[b]) of each request dequantised into dst_k, dst_v ([rows, kv_heads,
+// dim] contiguous, dtype float32 or bfloat16) at rows dst_starts[b] + t: what the prefill
+// kernels then read as a contiguous cache. Returns 0, or 1 on bad arguments.
+int vmkv_cpu_kv_int8_dequantize(int dtype, const void* k, const void* v, int64_t stride_row,
+                                int64_t stride_head, const int64_t* starts, const int32_t* table,
+                                int64_t table_stride, int64_t block_size,
+                                const int32_t* seq_lens, const int32_t* first, int64_t batch,
+                                int64_t kv_heads, int64_t dim, void* dst_k, void* dst_v,
+                                const int64_t* dst_starts) {
+  if (kv_heads <= 0 || dim <= 0 || batch < 0 || stride_head < dim + kScaleBytes) return 1;
+  if ((table == nullptr) == (starts == nullptr) || (table != nullptr && block_size <= 0)) return 1;
+  const auto *kc = static_cast<const int8_t*>(k), *vc = static_cast<const int8_t*>(v);
+  const bool paged = table != nullptr;
+  if (dtype == kFloat32) {
+    auto* dk = static_cast<float*>(dst_k);
+    auto* dv = static_cast<float*>(dst_v);
+    (paged ? dequantize<float, true> : dequantize<float, false>)(
+        kc, vc, stride_row, stride_head, starts, table, table_stride, block_size, seq_lens,
+        first, batch, kv_heads, dim, dk, dv, dst_starts);
+    return 0;
+  }
+  if (dtype == kBFloat16) {
+    auto* dk = static_cast<bf16*>(dst_k);
+    auto* dv = static_cast<bf16*>(dst_v);
+    (paged ? dequantize<bf16, true> : dequantize<bf16, false>)(
+        kc, vc, stride_row, stride_head, starts, table, table_stride, block_size, seq_lens,
+        first, batch, kv_heads, dim, dk, dv, dst_starts);
+    return 0;
+  }
+  return 1;
+}
+
+}  // extern "C"
