@@ -238,8 +238,10 @@ class ModelConfig:
                 by_window.setdefault(window, []).append(layer)
             groups = tuple(LayerGroup(tuple(layers), window or None)
                            for window, layers in sorted(by_window.items()))
-        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim,
-                      kv_storage_dtype(dtype), groups)
+        # int8 is a KV storage only; the float dtypes keep their aliases ("bf16", "fp32")
+        storage = (kv_storage_dtype(dtype) if str(dtype).removeprefix("torch.") == "int8"
+                   else parse_dtype(dtype))
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, storage, groups)
 
 
 def _architecture(cfg: Any) -> str:
