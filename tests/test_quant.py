@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 from model_helpers import make_kv, prefill_logits, save_tiny_llama
-from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel, require_default_model
+from skip_policy import (
+    NEEDS_BF16,
+    NEEDS_X86,
+    X86_64,
+    require,
+    require_cpu_kernel,
+    require_default_model,
+)
 
 from vmkv.cpu_info import cpu_features
 from vmkv.kernels import cpu_quant
@@ -110,7 +117,7 @@ def test_every_build_computes_the_formats_bit_for_bit(build: str, ggml_type: int
 def require_tiles() -> None:
     """Skip off AVX512-BF16 (the tiles are its code); fail where they should run but do not."""
     if "avx512_bf16" not in cpu_features().split():
-        pytest.skip("the dequantized tiles run on AVX512-BF16 CPUs only")
+        pytest.skip(f"{NEEDS_BF16}: the dequantized tiles are AVX512-BF16 code")
     require(lambda: cpu_quant.use_ukernel(cpu_quant.library()), "the dequantized tiles",
             lambda: "this torch does not export oneDNN's brgemm ukernel")
 
