@@ -95,14 +95,22 @@ def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
     if q.dtype not in DTYPE_CODES or k_rows.dtype != q.dtype or v_rows.dtype != q.dtype:
         raise ValueError(f"the CPU {kind} kernel takes float32 or bfloat16 q and K/V of one "
                          f"dtype, got {q.dtype}/{k_rows.dtype}/{v_rows.dtype}")
-    if (starts is None) == (block_table is None):
-        raise ValueError("give exactly one of starts or block_table")
     if k_rows.stride() != v_rows.stride() or k_rows.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("k/v rows need equal strides and unit stride in head_dim")
+    return (lib, *addressing_args(starts, block_table))
+
+
+def addressing_args(starts: torch.Tensor | None, block_table: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The addressing as every CPU attention kernel reads it: exactly one of ``starts`` (int64)
+    or ``block_table`` (int32) and the table's row stride (0 without one); the caller keeps
+    the returned tensors alive through the call."""
+    if (starts is None) == (block_table is None):
+        raise ValueError("give exactly one of starts or block_table")
     if block_table is not None:
         block_table = block_table.to(torch.int32).contiguous()
-        return lib, None, block_table, block_table.stride(0)
-    return lib, starts.to(torch.int64).contiguous(), None, 0
+        return None, block_table, block_table.stride(0)
+    return starts.to(torch.int64).contiguous(), None, 0
 
 
 def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -149,7 +157,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         *((k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
            v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
           if k_new is not None and v_new is not None else (None, 0, 0, None, 0, 0)),
-        _window(window),
+        window_arg(window),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "
@@ -184,14 +192,14 @@ def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
         q_start.data_ptr(), q_lens.data_ptr(), lens.data_ptr(), len(lens), heads,
-        k_rows.shape[1], dim, float(scale), out.data_ptr(), out.stride(0), dim, _window(window),
+        k_rows.shape[1], dim, float(scale), out.data_ptr(), out.stride(0), dim, window_arg(window),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU prefill kernel: q {tuple(q.shape)}, "
                          f"k {tuple(k_rows.shape)}, block_size {block_size}")
 
 
-def _window(window: int | None) -> int:
+def window_arg(window: int | None) -> int:
     """A sliding window as the kernels take it: tokens (> 0), or 0 for none."""
     window = int(window or 0)
     if window < 0:

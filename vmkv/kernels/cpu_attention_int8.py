@@ -24,7 +24,7 @@ import functools
 import torch
 
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
-from vmkv.kernels.cpu_attention import DTYPE_CODES
+from vmkv.kernels.cpu_attention import DTYPE_CODES, addressing_args, window_arg
 
 SOURCE = CSRC / "cpu_attention_int8.cpp"
 LIBRARY = "vmkv_cpu_attention_int8"
@@ -131,8 +131,6 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
                          f"got {q.dtype} {tuple(q.shape)}")
     if k_rows.stride() != v_rows.stride() or v_rows.dtype != torch.int8:
         raise ValueError("k/v cache rows need equal strides and int8 storage")
-    if (starts is None) == (block_table is None):
-        raise ValueError("give exactly one of starts or block_table")
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype)
     elif out.shape != (batch, heads * dim) or not out.is_contiguous() or out.dtype != q.dtype:
@@ -147,13 +145,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
                                  f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
         fresh = (k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
                  v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
-    table_stride = 0
-    if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-        table_stride = block_table.stride(0)
-    else:
-        assert starts is not None
-        starts = starts.to(torch.int64).contiguous()
+    starts, block_table, table_stride = addressing_args(starts, block_table)
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_decode_attention_int8(
         DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
@@ -161,7 +153,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
         lens.data_ptr(), batch, heads, kv_heads, dim, float(scale), out.data_ptr(),
-        heads * dim, dim, *fresh, _window(window))
+        heads * dim, dim, *fresh, window_arg(window))
     if err:
         raise ValueError(f"bad arguments to the int8 decode kernel: q {tuple(q.shape)}, "
                          f"k {tuple(k_rows.shape)}, block_size {block_size}")
@@ -181,8 +173,6 @@ def dequantize(k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tenso
     dim = head_dim_of(k_rows)
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dequantize to float32 or bfloat16, got {dtype}")
-    if (starts is None) == (block_table is None):
-        raise ValueError("give exactly one of starts or block_table")
     lens = seq_lens.to(torch.int32).contiguous()
     firsts = first.to(torch.int32).contiguous()
     dst_starts = torch.zeros(len(lens), dtype=torch.int64)
@@ -191,13 +181,7 @@ def dequantize(k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tenso
     total = int(lens.sum())
     k = torch.empty(total, k_rows.shape[1], dim, dtype=dtype)
     v = torch.empty_like(k)
-    table_stride = 0
-    if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-        table_stride = block_table.stride(0)
-    else:
-        assert starts is not None
-        starts = starts.to(torch.int64).contiguous()
+    starts, block_table, table_stride = addressing_args(starts, block_table)
     err = lib.vmkv_cpu_kv_int8_dequantize(
         DTYPE_CODES[dtype], k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0),
         k_rows.stride(1), starts.data_ptr() if starts is not None else None,
@@ -254,10 +238,3 @@ def dequantize_reference(rows: torch.Tensor) -> torch.Tensor:
     """``[..., D + 2]`` int8 rows -> ``[..., D]`` float32 values (value * scale)."""
     scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
     return rows[..., :-SCALE_BYTES].float() * scale
-
-
-def _window(window: int | None) -> int:
-    window = int(window or 0)
-    if window < 0:
-        raise ValueError(f"a sliding window must be positive (0: none), got {window}")
-    return window
