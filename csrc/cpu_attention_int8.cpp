@@ -10,6 +10,14 @@
 // bit-identical outputs on the same data). Quantisation is symmetric, per token and KV head,
 // rounded to nearest with the float16-rounded scale (docs/memory.md, "An int8 KV cache").
 //
+// Rotation: where head_dim is a power of two every row is stored in a rotated basis, x H with H
+// the normalised Sylvester-Hadamard matrix (a fast Walsh-Hadamard transform, in place, here):
+// it keeps every dot product ((qH).(kH) = q.k) and spreads a few large channels (K's, after RoPE)
+// over the whole head, so one scale per token and head loses far less of the small ones. The
+// kernels take and give everything in the model's basis: the store rotates before quantising,
+// decode rotates the query and rotates its output back (H H = I), the dequantising gather
+// rotates each row back, so no caller multiplies by H.
+//
 // Decode, where the cache is most of the bytes a step reads: with AVX-512 VNNI the query is
 // quantised to int16 per head (relative error 2^-16, where the int8 K's is 2^-8) and the scores are
 // integer dot products of K's int8 widened to int16 (vpdpwssd: two per 64-element head, no float
@@ -94,19 +102,80 @@ inline float row_scale(const int8_t* row, int64_t dim) {
   return half_to_float(h);
 }
 
-// x[0 .. dim) quantised into dst: dim int8 values, then the float16 scale max|x| / 127.
+constexpr int64_t kMaxDim = 512;  // the largest head_dim the kernels take
+
+// Whether rows of this head_dim are stored rotated (a power of two: the Hadamard transform).
+inline bool rotated(int64_t dim) { return dim >= 2 && (dim & (dim - 1)) == 0; }
+
+// x[0 .. dim) <- x H / sqrt(dim) in place (dim a power of two): butterflies of stride 1, 2, 4,
+// ... (a + b, a - b), then the scale. The AVX-512 path does the same float operations in the
+// same order (strides below 16 by lane swaps), so both give the same bits.
+inline void hadamard(float* x, int64_t dim) {
+  int64_t h = 1;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t i = 0; i < dim; i += 16) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      // lanes whose stride-h bit is set hold b (the partner a is lane ^ h): a - b = p - v
+      __m512 p = _mm512_permute_ps(v, 0xB1);
+      v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
+      p = _mm512_permute_ps(v, 0x4E);
+      v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xCCCC, p, v);
+      p = _mm512_shuffle_f32x4(v, v, 0xB1);
+      v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xF0F0, p, v);
+      p = _mm512_shuffle_f32x4(v, v, 0x4E);
+      v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
+      _mm512_storeu_ps(x + i, v);
+    }
+    h = 16;
+  }
+#endif
+  for (; h < dim; h *= 2) {
+    for (int64_t i = 0; i < dim; i += 2 * h) {
+#pragma omp simd
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(dim));
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) x[d] *= norm;
+}
+
+// x[0 .. dim) as float, rotated where rows of this dim are (what the cache's basis holds).
+template <typename T>
+inline void to_cache_basis(const T* x, int64_t dim, float* dst) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(x[d]);
+  if (rotated(dim)) hadamard(dst, dim);
+}
+
+// x[0 .. dim) rotated (where rows are) and quantised into dst: dim int8 values, then the
+// float16 scale max|x| / 127.
 template <typename T>
 inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
+  alignas(64) float xr[kMaxDim];
+  to_cache_basis(x, dim, xr);
   float amax = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(xr[d]));
   const uint16_t h = float_to_half(std::min(amax / 127.0f, 65504.0f));
   const float s = half_to_float(h);
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;
   for (int64_t d = 0; d < dim; ++d) {
-    const float r = std::nearbyint(to_float(x[d]) * inv);
+    const float r = std::nearbyint(xr[d] * inv);
     dst[d] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
   }
   std::memcpy(dst + dim, &h, sizeof(h));
+}
+
+// acc[0 .. dim) * inv, rotated back to the model's basis (where rows are rotated), into o.
+template <typename T>
+inline void store_output(float* acc, int64_t dim, float inv, T* o) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
+  if (rotated(dim)) hadamard(acc, dim);
+  for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d]);
 }
 
 // The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), quantised into
@@ -145,8 +214,7 @@ void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
   for (int64_t h = kvh0; h < kvh1; ++h) {
     for (int64_t g = 0; g < a.group; ++g) {
       const int64_t head = h * a.group + g;
-      const T* qr = a.q + b * a.q_stride_b + head * a.q_stride_h;
-      for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(qr[d]);
+      to_cache_basis(a.q + b * a.q_stride_b + head * a.q_stride_h, dim, qf.data());
       std::fill(acc.begin(), acc.end(), 0.0f);
       float m = -INFINITY, l = 0.0f;
       for (int64_t t = lo; t < len; ++t) {
@@ -163,9 +231,8 @@ void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
         l = l * rescale + p;
         m = m_new;
       }
-      T* o = a.out + b * a.out_stride_b + head * a.out_stride_h;
-      const float inv = len > lo ? 1.0f / l : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d] * inv);
+      store_output(acc.data(), dim, len > lo ? 1.0f / l : 0.0f,
+                   a.out + b * a.out_stride_b + head * a.out_stride_h);
     }
   }
 }
@@ -225,15 +292,14 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(64) float ks[kBlock], vs[kBlock];
   alignas(64) int16_t wq[GROUP][kBlock + 2];  // w of the head's block as int16, + zeros
   int64_t rows[kBlock], next_rows[kBlock];
-  for (int64_t r = 0; r < span * GROUP; ++r) {  // the query as int16, one scale per head
-    const T* qr = a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h;
+  for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
+    alignas(64) float qr[dim];
+    to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
     float amax = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(to_float(qr[d])));
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(qr[d]));
     const float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
     qscale[r] = s * a.scale;
-    for (int64_t d = 0; d < dim; ++d) {
-      q16[r][d] = static_cast<int16_t>(std::nearbyint(to_float(qr[d]) / s));
-    }
+    for (int64_t d = 0; d < dim; ++d) q16[r][d] = static_cast<int16_t>(std::nearbyint(qr[d] / s));
     std::fill(acc[r], acc[r] + dim, 0.0f);
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -363,18 +429,19 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     }
   }
   for (int64_t r = 0; r < span * GROUP; ++r) {
-    T* o = a.out + b * a.out_stride_b + (kvh0 * GROUP + r) * a.out_stride_h;
-    const float inv = len > lo ? 1.0f / l[r] : 0.0f;
+    alignas(64) float res[dim];
     for (int64_t c = 0; c < CH; ++c) {  // lane 4L + k of 2c: dim 32c + 8L + k; of 2c + 1: + 4
       const float* lo_acc = acc[r] + 32 * c;
       const float* hi_acc = lo_acc + 16;
       for (int64_t lane = 0; lane < 4; ++lane) {
         for (int64_t i = 0; i < 4; ++i) {
-          o[32 * c + 8 * lane + i] = from_float<T>(lo_acc[4 * lane + i] * inv);
-          o[32 * c + 8 * lane + 4 + i] = from_float<T>(hi_acc[4 * lane + i] * inv);
+          res[32 * c + 8 * lane + i] = lo_acc[4 * lane + i];
+          res[32 * c + 8 * lane + 4 + i] = hi_acc[4 * lane + i];
         }
       }
     }
+    store_output(res, dim, len > lo ? 1.0f / l[r] : 0.0f,
+                 a.out + b * a.out_stride_b + (kvh0 * GROUP + r) * a.out_stride_h);
   }
 }
 
@@ -453,7 +520,8 @@ int decode_entry(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch,
   return 0;
 }
 
-// Rows [first[b], seq_lens[b]) of each request, dequantised to T at dst rows dst_starts[b] + t.
+// Rows [first[b], seq_lens[b]) of each request, dequantised and rotated back to the model's basis,
+// as T at dst rows dst_starts[b] + t.
 template <typename T, bool PAGED>
 void dequantize(const int8_t* k, const int8_t* v, int64_t stride_row, int64_t stride_head,
                 const int64_t* starts, const int32_t* table, int64_t table_stride,
@@ -477,10 +545,20 @@ void dequantize(const int8_t* k, const int8_t* v, int64_t stride_row, int64_t st
         const int64_t src = row * stride_row + h * stride_head;
         const int64_t dst = ((dst_starts[b] + t) * kv_heads + h) * dim;
         const float sk = row_scale(k + src, dim), sv = row_scale(v + src, dim);
+        alignas(64) float xk[kMaxDim], xv[kMaxDim];
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) {
-          dst_k[dst + d] = from_float<T>(static_cast<float>(k[src + d]) * sk);
-          dst_v[dst + d] = from_float<T>(static_cast<float>(v[src + d]) * sv);
+          xk[d] = static_cast<float>(k[src + d]) * sk;
+          xv[d] = static_cast<float>(v[src + d]) * sv;
+        }
+        if (rotated(dim)) {  // back to the model's basis
+          hadamard(xk, dim);
+          hadamard(xv, dim);
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+          dst_k[dst + d] = from_float<T>(xk[d]);
+          dst_v[dst + d] = from_float<T>(xv[d]);
         }
       }
     }
@@ -499,7 +577,8 @@ int vmkv_cpu_kv_int8_store(int dtype, void* k, void* v, int64_t stride_row, int6
                            const int64_t* rows, int64_t tokens, int64_t kv_heads, int64_t dim,
                            const void* k_new, int64_t k_stride_t, int64_t k_stride_h,
                            const void* v_new, int64_t v_stride_t, int64_t v_stride_h) {
-  if (kv_heads <= 0 || dim <= 0 || tokens < 0 || stride_head < dim + kScaleBytes) return 1;
+  if (kv_heads <= 0 || dim <= 0 || dim > kMaxDim || tokens < 0) return 1;
+  if (stride_head < dim + kScaleBytes) return 1;
   if (dtype != kFloat32 && dtype != kBFloat16) return 1;
   auto* kc = static_cast<int8_t*>(k);
   auto* vc = static_cast<int8_t*>(v);
@@ -535,7 +614,10 @@ int vmkv_cpu_decode_attention_int8(
     int64_t out_stride_b, int64_t out_stride_h, const void* k_new, int64_t k_new_stride_b,
     int64_t k_new_stride_h, const void* v_new, int64_t v_new_stride_b, int64_t v_new_stride_h,
     int64_t window) {
-  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || batch < 0 || window < 0) return 1;
+  if (kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || dim > kMaxDim || batch < 0 ||
+      window < 0) {
+    return 1;
+  }
   if ((k_new == nullptr) != (v_new == nullptr) || stride_head < dim + kScaleBytes) return 1;
   const auto *kc = static_cast<const int8_t*>(k), *vc = static_cast<const int8_t*>(v);
   const int64_t group = heads / kv_heads;
@@ -569,7 +651,8 @@ int vmkv_cpu_kv_int8_dequantize(int dtype, const void* k, const void* v, int64_t
                                 const int32_t* seq_lens, const int32_t* first, int64_t batch,
                                 int64_t kv_heads, int64_t dim, void* dst_k, void* dst_v,
                                 const int64_t* dst_starts) {
-  if (kv_heads <= 0 || dim <= 0 || batch < 0 || stride_head < dim + kScaleBytes) return 1;
+  if (kv_heads <= 0 || dim <= 0 || dim > kMaxDim || batch < 0) return 1;
+  if (stride_head < dim + kScaleBytes) return 1;
   if ((table == nullptr) == (starts == nullptr) || (table != nullptr && block_size <= 0)) return 1;
   const auto *kc = static_cast<const int8_t*>(k), *vc = static_cast<const int8_t*>(v);
   const bool paged = table != nullptr;

@@ -25,7 +25,6 @@ from vmkv.attention.base import AttentionBackend, AttentionMetadata
 from vmkv.attention.sdpa import attend_each
 from vmkv.attention.step import token_positions
 from vmkv.kernels import cpu_attention_int8
-from vmkv.kernels.cpu_attention_int8 import rotate, unrotate
 from vmkv.kv.addressing import BlockAddressing, SlotAddressing, by_group
 from vmkv.kv.base import KVCacheManager
 
@@ -122,11 +121,6 @@ class CpuAttentionBackend(AttentionBackend):
         if rows.decode is None or rows.decode.query_rows is not None:
             return super().forward(layer, q, k, v, meta, scale)
         k_flat, v_flat = self._flat[layer]
-        if self.int8:  # rows and queries rotated (cpu_attention_int8.rotation), float32
-            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float32)
-            cpu_batches.run_decode(rows.decode, rotate(q), k_flat, v_flat, out, scale,
-                                   new_kv=(rotate(k), rotate(v)), window=self.windows[layer])
-            return unrotate(out, q.shape[-1], q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, new_kv=(k, v),
                                window=self.windows[layer])
@@ -138,7 +132,7 @@ class CpuAttentionBackend(AttentionBackend):
         write_rows = meta.rows_of(layer).write_rows
         k_flat, v_flat = self._flat[layer]
         if self.int8:
-            cpu_attention_int8.store(k_flat, v_flat, write_rows, rotate(k), rotate(v))
+            cpu_attention_int8.store(k_flat, v_flat, write_rows, k, v)
             return
         k_flat.index_copy_(0, write_rows, k)
         v_flat.index_copy_(0, write_rows, v)
@@ -148,24 +142,15 @@ class CpuAttentionBackend(AttentionBackend):
         assert isinstance(meta, CpuStepMetadata)
         k_flat, v_flat = self._flat[layer]
         window, rows = self.windows[layer], meta.rows_of(layer)
-        if self.int8:  # rows and queries rotated (cpu_attention_int8.rotation), float32
-            q_rot = rotate(q)
-            out = q_rot.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-            if rows.decode is not None:
-                cpu_batches.run_decode(rows.decode, q_rot, k_flat, v_flat, out, scale,
-                                       window=window)
-            if rows.prefill is not None:
-                cpu_batches.run_prefill(rows.prefill, q_rot, k_flat, v_flat, out, scale, window)
-            if any(r is not None for r in rows.seq_rows):
-                raise RuntimeError("an int8 KV cache is read by the batched kernels only "
-                                   "(batched_decode and batched_prefill must stay on)")
-            return unrotate(out, q.shape[-1], q.dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq*D]
         if rows.decode is not None:
             cpu_batches.run_decode(rows.decode, q, k_flat, v_flat, out, scale, window=window)
         if rows.prefill is not None:
             cpu_batches.run_prefill(rows.prefill, q, k_flat, v_flat, out, scale, window)
         if any(r is not None for r in rows.seq_rows):
+            if self.int8:
+                raise RuntimeError("an int8 KV cache is read by the batched kernels only "
+                                   "(batched_decode and batched_prefill must stay on)")
             attend_each(out, q, k_flat, v_flat, meta.context_lens, meta.query_lens,
                         rows.seq_rows, scale, window)
         return out

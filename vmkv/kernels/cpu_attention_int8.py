@@ -8,11 +8,13 @@ block table (paged) with one loop body:
 - :func:`store`: quantise a step's new K/V rows into the cache (the write ``write_kv`` does);
 - :func:`decode`: decode attention reading the int8 rows in place, the new rows quantised in
   the same call (:func:`vmkv.kernels.cpu_attention.decode`'s contract);
-- :func:`dequantize`: the rows prefill chunks read, dequantised into a contiguous buffer that
-  the bfloat16/float32 prefill kernels then read as slot rows (their tiles take the model's
-  dtype).
+- :func:`dequantize`: the rows prefill chunks read, dequantised into a contiguous buffer of the
+  model's dtype that the bfloat16 (brgemm) or float32 prefill kernels then read as slot rows.
 
-q, the new rows and the outputs are float32 or bfloat16. Built once like the other CPU kernels
+Where ``head_dim`` is a power of two the rows are stored rotated by a Hadamard matrix
+(:func:`rotated`); the kernels rotate the new rows, the query and the outputs themselves, so
+every argument and result is in the model's basis. q, the new rows and the outputs are float32
+or bfloat16. Built once like the other CPU kernels
 (:mod:`vmkv.kernels.build`); where it cannot be built an int8 cache is refused at start-up.
 """
 
@@ -194,39 +196,37 @@ def dequantize(k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tenso
     return k, v, dst_starts
 
 
-@functools.cache
-def rotation(head_dim: int) -> torch.Tensor:
-    """``[D, D]`` float32 orthonormal matrix the int8 cache's rows are rotated by before they are
-    quantised: the normalised Sylvester-Hadamard matrix for a power of two (else a seeded random
-    orthogonal one). A rotation keeps every dot product (``(qR) . (kR) = q . k``) and spreads a
-    few large channels (K's, after RoPE) over the whole head, so that one scale per token and
-    head loses far less of the small ones."""
-    if head_dim & (head_dim - 1) == 0:
-        h = torch.ones(1, 1)
-        while h.shape[0] < head_dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return h / head_dim**0.5
-    gen = torch.Generator().manual_seed(head_dim)
-    q, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
-    return q.float()
+def rotated(head_dim: int) -> bool:
+    """Whether rows of this ``head_dim`` are stored rotated (a power of two; the kernels apply
+    the Hadamard transform themselves, see the C source's header)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., D]`` rotated, float32 (what the int8 cache and its queries hold)."""
-    return x.float() @ rotation(x.shape[-1])
+def hadamard_reference(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` (D a power of two) times the normalised Sylvester-Hadamard matrix, float32,
+    by the kernels' butterflies in their order (so the same bits): strides 1, 2, 4, ... of
+    ``(a + b, a - b)``, then ``1 / sqrt(D)``. Its own inverse."""
+    dim = x.shape[-1]
+    y = x.float().reshape(-1, dim)
+    h = 1
+    while h < dim:
+        pairs = y.view(-1, dim // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], 2).reshape(-1, dim)
+        h *= 2
+    norm = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(dim)).sqrt()
+    return (y * norm).view(x.shape)
 
 
-def unrotate(out: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Attention outputs ``[T, heads * D]`` computed in the rotated basis, back in the model's
-    basis and ``dtype`` (``softmax(q k) (V R) R^T = softmax(q k) V``)."""
-    t = out.shape[0]
-    return (out.view(t, -1, dim) @ rotation(dim).T).reshape(t, -1).to(dtype)
+def _basis(x: torch.Tensor) -> torch.Tensor:
+    return hadamard_reference(x) if rotated(x.shape[-1]) else x.float()
 
 
 def quantize_reference(x: torch.Tensor) -> torch.Tensor:
     """What :func:`store` writes for ``x [..., D]`` (float32 arithmetic): ``[..., D + 2]``
-    int8 rows, each D int8 values then its float16 scale (tests compare the kernel to it)."""
-    xf = x.float()
+    int8 rows of ``x`` rotated (:func:`rotated`), each D int8 values then its float16 scale
+    (tests compare the kernel to it)."""
+    xf = _basis(x)
     scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(max=65504.0).half()
     s = scale.float()
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
@@ -235,6 +235,7 @@ def quantize_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_reference(rows: torch.Tensor) -> torch.Tensor:
-    """``[..., D + 2]`` int8 rows -> ``[..., D]`` float32 values (value * scale)."""
+    """``[..., D + 2]`` int8 rows -> ``[..., D]`` float32 values (value * scale) in the model's
+    basis (rotated back where rows are rotated): what :func:`dequantize` gives."""
     scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
-    return rows[..., :-SCALE_BYTES].float() * scale
+    return _basis(rows[..., :-SCALE_BYTES].float() * scale)
