@@ -7,6 +7,12 @@
 //   vmkv_bf16_attn_out:  x += attn Wo^T (+ b);  h = rms_norm(x) * w2;
 //                        act = silu(h Wg^T) * (h Wu^T);  x += act Wdown^T (+ b)
 //
+// A layer with Gemma 3's norms (VmkvBf16Layer.gemma set) runs Gemma's order instead, every norm
+// normalize(x) * (1 + w) in float32 rounded once (cpu_gemma_ops.h):
+//   attn_in:   h = norm_in(x);  qkv = h Wqkv^T;  q_norm / k_norm per head;  RoPE on q and k
+//   attn_out:  x += norm_post_attn(attn Wo^T);  h = norm_pre_ffw(x);
+//              act = gelu_tanh(h Wg^T) * (h Wu^T);  x += norm_post_ffw(act Wdown^T)
+//
 // The matrix products are oneDNN's brgemm ukernel (the AMX tile kernel torch's own CPU flash
 // attention runs), which torch exports as at::native::cpublas::brgemm; the caller passes its
 // address and that of brgemm_release, so this library links nothing but libgomp. A weight is
@@ -40,6 +46,7 @@
 #endif
 
 #include "cpu_brgemm.h"
+#include "cpu_gemma_ops.h"
 #include "cpu_lap.h"
 #include "cpu_layer_ops.h"
 #include "cpu_vec.h"
@@ -65,11 +72,13 @@ struct VmkvBf16Gemm {
 };
 
 // A decoder layer's weights (the caller keeps the tensors alive). gate_up holds the gate's
-// columns, then the up projection's: intermediate must be a multiple of its block_n.
+// columns, then the up projection's: intermediate must be a multiple of its block_n. With
+// `gemma` set the layer is Gemma 3's and input_norm / post_norm are not read.
 struct VmkvBf16Layer {
   VmkvBf16Linear qkv, o, gate_up, down;
   const void* input_norm;  // [hidden]
   const void* post_norm;   // [hidden]
+  const VmkvGemmaNorms* gemma;  // nullptr: a Llama layer
 };
 
 struct VmkvBf16Shape {
@@ -316,9 +325,9 @@ bool linear(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* a, int64_t 
   });
 }
 
-// act[m, I] = silu(h Wg^T) * (h Wu^T), rounded as transformers does; gate block j and up block
-// j + I / bn in one task.
-template <typename T>
+// act[m, I] = silu(h Wg^T) * (h Wu^T) (Gelu: gelu_tanh), rounded as transformers does; gate
+// block j and up block j + I / bn in one task.
+template <typename T, bool Gelu = false>
 bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* h, int64_t ldh,
                  int64_t m, int64_t inter, T* act) {
   const int64_t bn = w.block_n, pairs = inter / bn;
@@ -329,8 +338,12 @@ bool gate_up_act(const VmkvBf16Gemm& g, const VmkvBf16Linear& w, const T* h, int
     block_product(g, w, j, h + m0 * ldh, ldh, rows, c);
     block_product(g, w, pairs + j, h + m0 * ldh, ldh, rows, up);
     for (int64_t r = 0; r < rows; ++r) {
-      silu_mul_rounded(c + r * bn, up + r * bn, bias, bias_up, j * bn, bn,
-                       act + (m0 + r) * inter + j * bn);
+      T* out = act + (m0 + r) * inter + j * bn;
+      if constexpr (Gelu) {
+        gelu_tanh_mul_rounded(c + r * bn, up + r * bn, bias, bias_up, j * bn, bn, out);
+      } else {
+        silu_mul_rounded(c + r * bn, up + r * bn, bias, bias_up, j * bn, bn, out);
+      }
     }
   });
 }
@@ -371,11 +384,40 @@ int attn_in(const VmkvBf16Shape* s, const VmkvBf16Layer* w, const T* x, int64_t 
   if (t == 0) return 0;
   const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
   Lap lap(s->gemm.ns);
-  rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
+  if (w->gemma != nullptr) {
+    gemma_norm(x, w->gemma->input, t, s->hidden, s->eps, h);
+  } else {
+    rms_norm(x, static_cast<const T*>(w->input_norm), t, s->hidden, s->eps, h);
+  }
   lap(1);
   const bool ok = linear<Store::kRounded>(s->gemm, w->qkv, h, s->hidden, t, qkv, width);
   lap(0);
+  if (w->gemma != nullptr) {
+    gemma_head_norms(qkv, t, width, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
+                     w->gemma->q, w->gemma->k);
+  }
   rope(qkv, t, width, cos, ssin, s->num_heads + s->num_kv_heads, s->head_dim);
+  lap(1);
+  return ok ? 0 : 2;
+}
+
+// attn_out for a Gemma 3 layer: each sub-block's output normed before its residual add (h holds
+// the o and down products, then the normed input of the MLP).
+template <typename T>
+int gemma_attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, T* x, int64_t t,
+                   const T* attn, int64_t attn_stride, T* h, T* act) {
+  const int64_t hidden = s->hidden, inter = s->intermediate;
+  const VmkvGemmaNorms& n = *w->gemma;
+  Lap lap(s->gemm.ns);
+  bool ok = linear<Store::kRounded>(s->gemm, w->o, attn, attn_stride, t, h, hidden);
+  lap(0);
+  gemma_norm_add(h, n.post_attn, t, hidden, s->eps, x);
+  gemma_norm(x, n.pre_ffw, t, hidden, s->eps, h);
+  lap(1);
+  ok = ok && gate_up_act<T, true>(s->gemm, w->gate_up, h, hidden, t, inter, act);
+  ok = ok && linear<Store::kRounded>(s->gemm, w->down, act, inter, t, h, hidden);
+  lap(0);
+  gemma_norm_add(h, n.post_ffw, t, hidden, s->eps, x);
   lap(1);
   return ok ? 0 : 2;
 }
@@ -385,6 +427,7 @@ int attn_out(const VmkvBf16Shape* s, const VmkvBf16Layer* w, T* x, int64_t t, co
              int64_t attn_stride, T* h, T* act) {
   if (bad_layer<T>(s, w, t) || attn_stride < s->num_heads * s->head_dim) return 1;
   if (t == 0) return 0;
+  if (w->gemma != nullptr) return gemma_attn_out(s, w, x, t, attn, attn_stride, h, act);
   const int64_t hidden = s->hidden, inter = s->intermediate;
   Lap lap(s->gemm.ns);
   bool ok = linear<Store::kResidual>(s->gemm, w->o, attn, attn_stride, t, x, hidden);

@@ -11,12 +11,21 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from model_helpers import KV_CASES, KV_IDS, greedy_generate, hf_greedy, make_kv, save_random_model
+from model_helpers import (
+    KV_CASES,
+    KV_IDS,
+    greedy_generate,
+    hf_greedy,
+    make_kv,
+    prefill_logits,
+    save_random_model,
+)
+from skip_policy import require_bf16_kernels, require_f32_brgemm, require_mkl
 
 from vmkv import LLM, SamplingParams
 from vmkv.kv.spec import LayerGroup
 from vmkv.models import ModelConfig, load_model, load_model_config, load_tokenizer, resolve_model
-from vmkv.models.fused_layers import unfusable
+from vmkv.models.fused_layers import fuse_layers, unfusable
 
 WINDOW = 16
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
@@ -53,7 +62,7 @@ def test_tiny_gemma3_greedy_matches_transformers(tiny: tuple[Path, list, list], 
 
 def test_tiny_gemma3_config_and_model(tiny: tuple[Path, list, list]) -> None:
     """What the checkpoint says reaches the config, the KV spec and the model; the fused C++
-    layers say why they do not take Gemma's."""
+    layers of the MKL library say why they do not take Gemma's."""
     path, _, _ = tiny
     cfg = load_model_config(path)
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.hidden_act == "gelu_pytorch_tanh"
@@ -65,8 +74,44 @@ def test_tiny_gemma3_config_and_model(tiny: tuple[Path, list, list]) -> None:
     assert spec.groups == (LayerGroup((5,)), LayerGroup((0, 1, 2, 3, 4), WINDOW))
     assert spec.windows == cfg.layer_windows
     model, _ = load_model(path, torch.float32, "cpu")
-    assert unfusable(model) is not None
     assert model.embed_scale == pytest.approx(64**0.5)
+    require_mkl()
+    model, _ = load_model(path, torch.float32, "cpu", linear_backend="mkl")
+    assert "brgemm library only" in unfusable(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_tiny_gemma3_fused_layers_equal_the_modules(tiny: tuple[Path, list, list], kv_mode: str,
+                                                   dtype: torch.dtype) -> None:
+    """The brgemm library's Gemma 3 layers (sandwich and q/k norms, tanh-GELU, a RoPE table per
+    layer type) give every position's logits as the torch modules do, prefilled in chunks
+    across the window and decoded a token a step: float32 up to summation order; bfloat16 with
+    the same roundings, but tanh-GELU's and the norms' last float bit differ from torch's
+    (Sleef's tanh, its reduction order), which after rounding to bf16 flips a value now and
+    then, carried along in the K/V of every later position: a random tiny model amplifies one
+    flip to ~0.3 in its logits (scale ~15), while a wrong norm, RoPE table or activation moves
+    them by whole units."""
+    require_f32_brgemm() if dtype == torch.float32 else require_bf16_kernels()
+    path, _, _ = tiny
+    modules, cfg = load_model(path, dtype, "cpu", linear_backend="brgemm")
+    fused, _ = load_model(path, dtype, "cpu", linear_backend="brgemm")
+    assert unfusable(modules) is None and fuse_layers(fused) is not None
+    prompt = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
+    for chunk in (40, 1):
+        logits = []
+        for model in (fused, modules):
+            kv = make_kv(cfg, kv_mode, max_model_len=128, dtype=dtype)
+            try:
+                logits.append(prefill_logits(model, kv, prompt.tolist(), chunk=chunk))
+            finally:
+                kv.close()
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.5)
+            top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
+            assert top1 >= 0.9
+        else:
+            torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=5e-4)
 
 
 def test_gemma3_features_vmkv_does_not_implement_are_refused() -> None:
@@ -112,9 +157,10 @@ def _long_prompts(path: Path) -> list[list[int]]:
 @pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
 def test_gemma3_270m_long_prompt_matches_transformers(gemma3: Path, kv_mode: str,
                                                      reference_270m: dict[str, Any]) -> None:
-    """The engine (compiled layers, 512-token chunks, the sliding layers giving back what falls
-    behind their window) gives transformers' greedy tokens on a 2,100-token prompt batched with
-    a short one. (Preemption with windows: tests/test_kv_groups.py, on a tiny Gemma 3.)"""
+    """The engine (its fused or compiled layers, 512-token chunks, the sliding layers giving
+    back what falls behind their window) gives transformers' greedy tokens on a 2,100-token
+    prompt batched with a short one. (Preemption with windows: tests/test_kv_groups.py, on a
+    tiny Gemma 3.)"""
     prompts, want = reference_270m["prompts"], reference_270m["tokens"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in (LONG[1], SHORT[1])]

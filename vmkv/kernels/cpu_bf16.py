@@ -4,6 +4,8 @@ on the CPU's matrix units, and float32 on AVX-512 (the ``brgemm`` linear backend
     linear(a, W)         a [M, K] bf16 -> a W^T + b: float32 (the LM head) or bf16
     attn_in(x)           rms_norm -> qkv GEMM (+ bias) -> RoPE on q, k  -> qkv [T, (Hq+2Hkv)*D]
     attn_out(x, attn)    o GEMM + residual, rms_norm, SiLU(gate) * up, down GEMM + residual
+                         (a Gemma 3 layer, ``LayerArgs.gemma``: its sandwich and q/k norms,
+                         tanh-GELU(gate) * up)
 
 The products are oneDNN's brgemm ukernel, reached through torch's own export of it
 (``at::native::cpublas::brgemm``, the AMX tile kernel torch's CPU flash attention uses): this
@@ -57,11 +59,19 @@ class GemmArgs(ctypes.Structure):
     _fields_ = [("brgemm", _PTR), ("release", _PTR), ("ns", _PTR)]
 
 
+class GemmaNormArgs(ctypes.Structure):
+    """``VmkvGemmaNorms``: a Gemma 3 layer's six norm scales (``1 + w``, float32)."""
+
+    _fields_ = [(name, _PTR) for name in ("input", "post_attn", "pre_ffw", "post_ffw", "q", "k")]
+
+
 class LayerArgs(ctypes.Structure):
-    """``VmkvBf16Layer``: one layer's four packed linears and two norm weights."""
+    """``VmkvBf16Layer``: one layer's four packed linears and two norm weights; ``gemma``
+    (a :class:`GemmaNormArgs` pointer) makes it a Gemma 3 layer (NULL: Llama's)."""
 
     _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
-                ("down", LinearArgs), ("input_norm", _PTR), ("post_norm", _PTR)]
+                ("down", LinearArgs), ("input_norm", _PTR), ("post_norm", _PTR),
+                ("gemma", ctypes.POINTER(GemmaNormArgs))]
 
 
 class ShapeArgs(ctypes.Structure):

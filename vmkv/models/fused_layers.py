@@ -21,6 +21,9 @@ Two libraries with the same two calls per layer, chosen by the linears' backend:
 It replaces :meth:`LlamaModel.body <vmkv.models.llama.LlamaModel.body>` (``model.run_body``)
 when every layer can take it: the four linears packed for that library, no per-head q/k norm,
 one tensor-parallel rank, and the library built (:func:`fuse_layers` says why not otherwise).
+Gemma 3's layers (sandwich and per-head q/k norms, tanh-GELU, a RoPE table per layer type) run in
+the brgemm library (:class:`~vmkv.kernels.cpu_bf16.GemmaNormArgs`); its other libraries take
+Llama's layers only.
 Measured against the TorchInductor-compiled layers it replaces: at small decode batches those
 spent ~0.4 ms per layer in framework time around ~0.8 ms of GEMMs (docs/benchmarks.md). The
 attention stays the opaque :func:`vmkv.attention.op.attention` call, so both KV modes keep
@@ -38,6 +41,7 @@ import torch
 from vmkv.attention.op import attention
 from vmkv.kernels import cpu_bf16, cpu_quant
 from vmkv.kernels import cpu_decoder_layer as f32_kernels
+from vmkv.models.gemma3 import Gemma3DecoderLayer, Gemma3Model
 from vmkv.models.linear import PackedLinear, mkl_compute_address
 from vmkv.models.llama import LlamaDecoderLayer, LlamaModel
 from vmkv.models.quant.decode_loop import DecodeLoop
@@ -126,8 +130,17 @@ class FusedLayers:
                 gemm=cpu_bf16.gemm_args(dtype=model.dtype))
             self.attn_in, self.attn_out = (cpu_bf16.entry(self.lib, model.dtype, name)
                                            for name in ("attn_in", "attn_out"))
+        #: Gemma 3's norm scales per layer (kept alive: the layer structures point at them)
+        self._gemma_norms = [_gemma_norm_args(layer) for layer in model.layers
+                             if isinstance(layer, Gemma3DecoderLayer)]
         self.layers = [ctypes.pointer(_layer_args(layer, library.backend))
                        for layer in model.layers]
+        for args, norms in zip(self.layers, self._gemma_norms, strict=False):
+            args.contents.gemma = ctypes.pointer(norms)
+        #: which RoPE table each layer reads: 0 the model's, 1 the local one (Gemma's sliding
+        #: layers)
+        self.rope_of = ([int(s) for s in model.sliding] if isinstance(model, Gemma3Model)
+                        else [0] * len(model.layers))
         #: pure-decode steps' whole stack in one C call (quantized weights)
         self.decode_loop = (DecodeLoop(self.shape, [p.contents for p in self.layers],
                                        model.dtype, cfg.scale)
@@ -162,7 +175,11 @@ class FusedLayers:
         the model's ``forward`` set."""
         model = self.model
         x = model.embed_tokens(input_ids)  # [T, hidden], a new tensor: the calls update it
-        cos, sin = model.rotary(positions, x.dtype)  # [T, D] each, contiguous
+        ropes = [model.rotary(positions, x.dtype)]  # (cos, sin) [T, D] each, contiguous
+        if isinstance(model, Gemma3Model):
+            x = x * model.embed_scale
+            ropes.append(model.local_rotary(positions, x.dtype))
+        cos, sin = ropes[0]
         t = x.shape[0]
         h = x.new_empty(t, self.hidden)  # scratch: normed input, GEMM outputs
         qkv = x.new_empty(t, self.qkv_width)  # reused by every layer (attention copies K/V)
@@ -176,9 +193,11 @@ class FusedLayers:
             return model.norm(x)
         shape = ctypes.byref(self.shape)
         x_ptr, h_ptr, act_ptr = x.data_ptr(), h.data_ptr(), act.data_ptr()
-        cos_ptr, sin_ptr, qkv_ptr = cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
+        rope_ptrs = [(c.data_ptr(), s.data_ptr()) for c, s in ropes]
+        qkv_ptr = qkv.data_ptr()
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            cos_ptr, sin_ptr = rope_ptrs[self.rope_of[i]]
             _check(self.attn_in(shape, layer, x_ptr, t, cos_ptr, sin_ptr, h_ptr, qkv_ptr), t)
             out = attention(q, k, v, self.scale)  # [T, Hq * D]
             rows = t
@@ -211,6 +230,22 @@ def _f32_linear_args(lin: PackedLinear) -> f32_kernels.PackedLinearArgs:
         in_features=lin.in_features, out_features=lin.out_features)
 
 
+def _gemma_norm_args(layer: Gemma3DecoderLayer) -> cpu_bf16.GemmaNormArgs:
+    return cpu_bf16.GemmaNormArgs(*(scale.data_ptr() for scale in _norm_tensors(layer)))
+
+
+def _norm_tensors(layer: LlamaDecoderLayer | Gemma3DecoderLayer) -> list[torch.Tensor]:
+    """The norm tensors the C calls read: Llama's two weights, or Gemma's six float32 scales
+    (in :class:`~vmkv.kernels.cpu_bf16.GemmaNormArgs`' order)."""
+    if isinstance(layer, Gemma3DecoderLayer):
+        attn = layer.self_attn
+        return [norm.scale for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                                        layer.pre_feedforward_layernorm,
+                                        layer.post_feedforward_layernorm, attn.q_norm,
+                                        attn.k_norm)]
+    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+
+
 def _layer_args(layer: LlamaDecoderLayer, backend: str) -> ctypes.Structure:
     if backend == "mkl":
         structure, linear_args = f32_kernels.DecoderLayerArgs, _f32_linear_args
@@ -219,6 +254,8 @@ def _layer_args(layer: LlamaDecoderLayer, backend: str) -> ctypes.Structure:
     else:
         structure, linear_args = cpu_bf16.LayerArgs, PackedLinear.brgemm_args
     qkv, o, gate_up, down = (linear_args(lin) for lin in _linears(layer))  # type: ignore[arg-type]
+    if isinstance(layer, Gemma3DecoderLayer):  # FusedLayers points `gemma` at its norms
+        return structure(qkv=qkv, o=o, gate_up=gate_up, down=down)
     return structure(qkv=qkv, o=o, gate_up=gate_up, down=down,
                      input_norm=layer.input_layernorm.weight.data_ptr(),
                      post_norm=layer.post_attention_layernorm.weight.data_ptr())
@@ -231,16 +268,21 @@ def unfusable(model: LlamaModel) -> str | None:
     library = _library_of(model)
     if library is None:
         return "the linears are not packed for mkl or brgemm (linear_backend)"
+    gemma = isinstance(model, Gemma3Model)
+    if gemma and library.backend != "brgemm":
+        return f"Gemma 3 layers fuse in the brgemm library only (linears: {library.backend})"
     for layer in model.layers:
         if not all(library.takes(lin) for lin in _linears(layer)):
             return f"the linears are not packed for {library.backend} (linear_backend)"
-        if layer.self_attn.q_norm is not None:
+        if layer.self_attn.q_norm is not None and not gemma:
             return "per-head q/k norms"
         if layer.self_attn.reduce or layer.reduce_mlp:
             return "tensor-parallel shards"
-        tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                   *(lin.bias for lin in _linears(layer) if lin.bias is not None)]
-        if any(t.dtype != model.dtype or not t.is_contiguous() for t in tensors):
+        norms = _norm_tensors(layer)
+        biases = [lin.bias for lin in _linears(layer) if lin.bias is not None]
+        if any(t.dtype != (torch.float32 if gemma else model.dtype) or not t.is_contiguous()
+               for t in norms) or any(t.dtype != model.dtype or not t.is_contiguous()
+                                      for t in biases):
             return f"norm weights or biases that are not contiguous {model.dtype}"
         if (library.backend == "brgemm" and model.config.intermediate_size
                 % cpu_bf16.block_width(layer.mlp.gate_up_proj.packed_weight)):
