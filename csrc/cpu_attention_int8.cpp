@@ -241,6 +241,15 @@ void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
 constexpr int64_t kBlock = 64;  // tokens per online-softmax step (four score vectors)
 constexpr int kMaxGroup = 8;
 
+// The cache lines of [p, p + bytes) fetched into L2 (a line per 64 bytes; the next block's
+// rows, a few per token pair of the value loop: all at once they stalled the loop, ~14 % slower).
+// Addresses at most 64 bytes apart, the last byte included, so every line is touched.
+template <int64_t BYTES>
+inline void prefetch_lines(const int8_t* p) {
+  for (int64_t o = 0; o + 64 < BYTES; o += 64) __builtin_prefetch(p + o, 0, 1);
+  __builtin_prefetch(p + BYTES - 1, 0, 1);
+}
+
 // Sixteen int32 vectors -> one whose lane j is the sum of v[j]'s lanes (vsum16's shuffles).
 inline __m512i vsum16_i32(const __m512i* v) {
   __m512i a[8], b[4], d[2];
@@ -305,7 +314,6 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     l[r] = 0.0f;
   }
   for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
-  const int64_t run = (span - 1) * a.stride_head + dim + kScaleBytes;  // a row's task bytes
   const auto row_at = [&](int64_t t) {
     return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
   };
@@ -340,18 +348,6 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
               s = _mm512_dpwssd_epi32(s, kw, qv[c]);
             }
             part[j] = s;
-          }
-          if (h == 0 && g == 0) {  // the next block's rows, a few lines per 16 tokens
-            for (int64_t i = u * 16; i < std::min<int64_t>(u * 16 + 16, ahead); ++i) {
-              const char* kn = reinterpret_cast<const char*>(a.k + next_rows[i] * a.stride_row +
-                                                             kvh0 * a.stride_head);
-              const char* vn = reinterpret_cast<const char*>(a.v + next_rows[i] * a.stride_row +
-                                                             kvh0 * a.stride_head);
-              for (int64_t o = 0; o < run; o += 64) {
-                __builtin_prefetch(kn + o, 0, 1);
-                __builtin_prefetch(vn + o, 0, 1);
-              }
-            }
           }
           scores[u] = _mm512_mul_ps(
               _mm512_mul_ps(_mm512_cvtepi32_ps(vsum16_i32(part)), _mm512_load_ps(ks + 16 * u)),
@@ -392,6 +388,13 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
           for (int e = 0; e < 2 * CV; ++e) iacc[g][e] = _mm512_setzero_si512();
         }
         for (int64_t j = 0; j < n; j += 2) {
+          if (cc == 0) {  // head h's lines of the next block's rows j, j + 1 (into L2)
+            for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
+              const int64_t at = next_rows[i] * a.stride_row + off;
+              prefetch_lines<dim + kScaleBytes>(a.k + at);
+              prefetch_lines<dim + kScaleBytes>(a.v + at);
+            }
+          }
           const int8_t* v0 = a.v + rows[j] * a.stride_row + off + 32 * cc;
           const int8_t* v1 = j + 1 < n ? a.v + rows[j + 1] * a.stride_row + off + 32 * cc
                                        : nullptr;
