@@ -148,16 +148,44 @@ inline void hadamard(float* x, int64_t dim) {
 // x[0 .. dim) as float, rotated where rows of this dim are (what the cache's basis holds).
 template <typename T>
 inline void to_cache_basis(const T* x, int64_t dim, float* dst) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d = 0; d < dim; d += 16) vstore(dst + d, vload(x + d));
+  } else {
+    for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(x[d]);
+  }
+#else
   for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(x[d]);
+#endif
   if (rotated(dim)) hadamard(dst, dim);
 }
 
 // x[0 .. dim) rotated (where rows are) and quantised into dst: dim int8 values, then the
-// float16 scale max|x| / 127.
+// float16 scale max|x| / 127 (rounded to nearest even, then clamped: the vector and scalar
+// loops give the same bytes).
 template <typename T>
 inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
   alignas(64) float xr[kMaxDim];
   to_cache_basis(x, dim, xr);
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(vload(xr + d)));
+    const uint16_t h = float_to_half(std::min(_mm512_reduce_max_ps(m) / 127.0f, 65504.0f));
+    const float s = half_to_float(h);
+    const __m512 inv = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(vload(xr + d), inv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                           _mm512_min_ps(_mm512_max_ps(r, lo), hi))));
+    }
+    std::memcpy(dst + dim, &h, sizeof(h));
+    return;
+  }
+#endif
   float amax = 0.0f;
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(xr[d]));
   const uint16_t h = float_to_half(std::min(amax / 127.0f, 65504.0f));
@@ -175,7 +203,36 @@ template <typename T>
 inline void store_output(float* acc, int64_t dim, float inv, T* o) {
   for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
   if (rotated(dim)) hadamard(acc, dim);
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d = 0; d < dim; d += 16) vstore(o + d, vload(acc + d));
+    return;
+  }
+#endif
   for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d]);
+}
+
+// A cache row's dim values (int8 * its scale) in the model's basis (rotated back), as T.
+template <typename T>
+inline void dequantize_row(const int8_t* row, int64_t dim, T* dst) {
+  alignas(64) float x[kMaxDim];
+  const float s = row_scale(row, dim);
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512i w = _mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+      _mm512_store_ps(x + d, _mm512_mul_ps(_mm512_cvtepi32_ps(w), sv));
+    }
+    if (rotated(dim)) hadamard(x, dim);
+    for (int64_t d = 0; d < dim; d += 16) vstore(dst + d, vload(x + d));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(row[d]) * s;
+  if (rotated(dim)) hadamard(x, dim);
+  for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(x[d]);
 }
 
 // The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), quantised into
@@ -547,22 +604,8 @@ void dequantize(const int8_t* k, const int8_t* v, int64_t stride_row, int64_t st
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t src = row * stride_row + h * stride_head;
         const int64_t dst = ((dst_starts[b] + t) * kv_heads + h) * dim;
-        const float sk = row_scale(k + src, dim), sv = row_scale(v + src, dim);
-        alignas(64) float xk[kMaxDim], xv[kMaxDim];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) {
-          xk[d] = static_cast<float>(k[src + d]) * sk;
-          xv[d] = static_cast<float>(v[src + d]) * sv;
-        }
-        if (rotated(dim)) {  // back to the model's basis
-          hadamard(xk, dim);
-          hadamard(xv, dim);
-        }
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) {
-          dst_k[dst + d] = from_float<T>(xk[d]);
-          dst_v[dst + d] = from_float<T>(xv[d]);
-        }
+        dequantize_row(k + src, dim, dst_k + dst);
+        dequantize_row(v + src, dim, dst_v + dst);
       }
     }
   }
