@@ -45,6 +45,9 @@ class DecodeBatch:
     query_rows: torch.Tensor | None  # rows of q/out that decode; None: every row decodes
     seq_lens: torch.Tensor  # [n] int32, cached tokens + the new one
     rows: Rows
+    #: query_rows are every row of q/out in order (a verify step's chunks only): the kernel
+    #: reads q and writes out in place, but never stores the new K/V itself
+    in_order: bool = False
 
 
 @dataclass
@@ -104,7 +107,7 @@ def decode_batch(addr: Addressing, context_lens: list[int], query_lens: list[int
     return DecodeBatch(
         query_rows=torch.from_numpy(offsets[entries] + j),
         seq_lens=torch.from_numpy((np.asarray(context_lens)[entries] + j + 1).astype(np.int32)),
-        rows=Rows.of(addr, entries))
+        rows=Rows.of(addr, entries), in_order=len(idx) == len(query_lens))
 
 
 def prefill_batch(addr: Addressing, context_lens: list[int], query_lens: list[int]
@@ -139,6 +142,10 @@ def run_decode(batch: DecodeBatch, q: torch.Tensor, k_flat: torch.Tensor, v_flat
         return
     if new_kv is not None:
         raise ValueError("the decode kernel stores new K/V only when every row decodes")
+    if batch.in_order:  # every row, in order: no gather of q, no scatter of out
+        kernel(q, k_flat, v_flat, batch.seq_lens, scale, starts=r.starts,
+               block_table=r.block_table, block_size=r.block_size, out=out, window=window)
+        return
     res = kernel(q.index_select(0, batch.query_rows), k_flat, v_flat, batch.seq_lens, scale,
                  starts=r.starts, block_table=r.block_table, block_size=r.block_size,
                  window=window)

@@ -18,6 +18,11 @@ token equals it) and a rejection's token is distributed as p without d renormali
 output distribution is the target's exactly (tests/test_spec_decode_sampling.py measures it);
 each emitted token draws one noise row, so a seeded request's tokens are those it gets
 without speculation. A grammar never sees a rejected proposal, so it never needs rolling back.
+
+Where no row's token can depend on the tokens accepted before it in the step (greedy, no
+penalties, token constraints, grammar or min_tokens mask: the common greedy batch), every row
+of every sequence is sampled in one call (one argmax over the ``[R, V]`` rows) and the rounds
+only walk the tokens: the same tokens, without a sampler call per round.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from vmkv.engine.sequence import Sequence
 from vmkv.sampling import Sampler
+from vmkv.sampling.state import SamplingState
 
 #: appends one token to a sequence; True when the sequence finished with it
 Append = Callable[[Sequence, int, float | None, list[tuple[int, float]] | None], bool]
@@ -38,6 +44,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: list[tuple[Sequence, i
     """Verify ``batch`` (each sequence and the first of its ``1 + len(draft_token_ids)`` rows
     of ``logits`` ``[R, V]``); returns the tokens each emitted (1 .. k + 1; fewer when it
     finished)."""
+    if all(_row_independent(seq.sampling_state) for seq, _ in batch):
+        return _verify_at_once(sampler, logits, batch, append)
     emitted = [0] * len(batch)
     active = list(range(len(batch)))
     depth = 0
@@ -58,4 +66,39 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: list[tuple[Sequence, i
                 still.append(i)
         active = still
         depth += 1
+    return emitted
+
+
+def _row_independent(state: SamplingState) -> bool:
+    """Whether the sampler's token for a row of this sequence is the same whatever tokens
+    the sequence accepted before it in the step (greedy, and nothing that reads the output so
+    far: penalties, bad words, a grammar, the min_tokens mask)."""
+    p = state.params
+    return (p.is_greedy and state.grammar is None and not p.has_token_constraints
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and not state.masked_token_ids)
+
+
+def _verify_at_once(sampler: Sampler, logits: torch.Tensor, batch: list[tuple[Sequence, int]],
+                    append: Append) -> list[int]:
+    """:func:`verify` for row-independent sequences: one sampler call over all their rows."""
+    spans = [(first, 1 + len(seq.draft_token_ids)) for seq, first in batch]
+    rows = [first + j for first, n in spans for j in range(n)]
+    picked = (logits if rows == list(range(logits.shape[0]))
+              else logits.index_select(0, torch.tensor(rows, device=logits.device)))  # [R, V]
+    states = [seq.sampling_state for (seq, _), (_, n) in zip(batch, spans, strict=True)
+              for _ in range(n)]
+    result = sampler(picked, states)
+    emitted = [0] * len(batch)
+    at = 0
+    for i, ((seq, _), (_, n)) in enumerate(zip(batch, spans, strict=True)):
+        drafts = seq.draft_token_ids
+        for depth in range(n):
+            token = result.token_ids[at + depth]
+            lp = result.logprobs[at + depth] if result.logprobs is not None else None
+            top = result.top_logprobs[at + depth] if result.top_logprobs is not None else None
+            emitted[i] += 1
+            if append(seq, token, lp, top) or depth >= len(drafts) or token != drafts[depth]:
+                break
+        at += n
     return emitted
