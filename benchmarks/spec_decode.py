@@ -6,7 +6,9 @@ n-grams of the output itself, and whether the greedy tokens were the same.
 
     python benchmarks/spec_decode.py --out DIR [--repeats 5] [--num-prompts 9]
         [--spec '{"method": "ngram", "num_speculative_tokens": 5, ...}'] [--kv-mode virtual]
-        [--lock /tmp/vmkv-bench.lock] [--openvino] [--max-output 256]
+        [--lock /tmp/vmkv-bench.lock] [--max-output 256]
+        [--openvino --openvino-model OV_DIR [--openvino-num-assistant-tokens 5]
+         [--openvino-max-ngram-size 3]]
 
 Each run: one engine (``LLMEngine``, the default model, the machine's default dtype), one
 warm-up request, then every prompt alone (batch 1), greedy, ``ignore_eos``, exactly its
@@ -139,6 +141,10 @@ def main() -> int:
     ap.add_argument("--openvino-python",
                     default=str(Path.home() / ".cache/vmkv/openvino-venv/bin/python"))
     ap.add_argument("--openvino-model", default=None)
+    # OpenVINO GenAI's own prompt-lookup sample (samples/python/text_generation/
+    # prompt_lookup_decoding_lm.py): 5 candidates a step, n-grams of up to 3 tokens
+    ap.add_argument("--openvino-num-assistant-tokens", type=int, default=5)
+    ap.add_argument("--openvino-max-ngram-size", type=int, default=3)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -168,10 +174,8 @@ def main() -> int:
             if args.openvino and name == "grounded":
                 cmd = [args.openvino_python, str(OV_CHILD), args.openvino_model,
                        str(files[name]), "--threads", str(os.cpu_count()),
-                       "--num-assistant-tokens", str(json.loads(args.spec).get(
-                           "num_speculative_tokens", 5)),
-                       "--max-ngram-size", str(json.loads(args.spec).get(
-                           "prompt_lookup_max", 4))]
+                       "--num-assistant-tokens", str(args.openvino_num_assistant_tokens),
+                       "--max-ngram-size", str(args.openvino_max_ngram_size)]
                 r = run_child(cmd, args.lock)
                 runs.append({"workload": name, "variant": "openvino-prompt-lookup",
                              "repeat": rep, **r})
@@ -208,9 +212,28 @@ def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Names
                                          for r in runs],
             "settings": {"spec": json.loads(args.spec), "kv_mode": args.kv_mode,
                          "num_prompts": args.num_prompts, "repeats": args.repeats,
-                         "max_output": args.max_output, "dtype": runs[0].get("dtype")},
-            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
+                         "max_output": args.max_output, "dtype": runs[0].get("dtype"),
+                         "openvino": ({"num_assistant_tokens": args.openvino_num_assistant_tokens,
+                                       "max_ngram_size": args.openvino_max_ngram_size,
+                                       "model": args.openvino_model}
+                                      if args.openvino else None)},
+            "machine": {"cpu": _cpu(), "flags": _flags(), "cores": os.cpu_count(),
+                        "python": platform.python_version(),
                         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+
+def _flags() -> list[str]:
+    """The CPU's vector and matrix extensions the kernels use (from /proc/cpuinfo)."""
+    wanted = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu() -> str:
