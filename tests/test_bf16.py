@@ -22,12 +22,16 @@ from model_helpers import make_kv, prefill_logits, save_tiny_llama
 from skip_policy import require_bf16_kernels, require_default_model
 
 from vmkv import LLM, SamplingParams
+from vmkv.attention import create_attention_backend
 from vmkv.config import CacheConfig, EngineConfig
+from vmkv.executor.model_runner import ModelRunner
+from vmkv.executor.plan import StepPlan
 from vmkv.kernels import cpu_bf16
 from vmkv.kv import KVSpec, create_kv_cache
 from vmkv.models import load_model
 from vmkv.models.default_model import resolve_model
 from vmkv.models.fused_layers import FusedLayers, fuse_layers, unfusable
+from vmkv.models.linear import writes_float32_into
 
 BF16 = torch.bfloat16
 
@@ -67,6 +71,31 @@ def test_fused_bf16_layers_equal_the_modules(checkpoint: Path, kv_mode: str) -> 
                 kv.close()
         assert logits[0].dtype == torch.float32  # the LM head's logits are never rounded
         torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.05)
+
+
+def test_step_logits_are_written_into_one_buffer(checkpoint: Path) -> None:
+    """The runner writes every step's logits into one reused float32 buffer (fresh, a wide
+    step's logits were mmapped and page-faulted in anew each step), grown when a step has more
+    rows, with the values the head gives into a fresh tensor; a wrong ``out`` is refused."""
+    model, cfg = load_model(checkpoint, BF16)
+    assert writes_float32_into(model.lm_head)
+    kv = make_kv(cfg, "virtual", dtype=BF16)
+    runner = ModelRunner(model, create_attention_backend(kv))
+    prompt = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+    got = []
+    for rid, sample_rows in (("a", [11]), ("b", [3, 11]), ("c", [11])):
+        assert kv.allocate(rid, 12)
+        plan = StepPlan([rid], [0], [12], prompt.tolist(), list(range(12)), sample_rows)
+        logits = runner.execute(plan).logits  # [len(sample_rows), vocab]
+        hidden = runner.forward(plan)  # the same step again: its sample rows' hidden states
+        assert torch.equal(logits, model.lm_head(hidden))
+        got.append(logits.data_ptr())
+    assert got[1] != got[0] and got[2] == got[1]  # grown once for two rows, then reused
+    with pytest.raises(ValueError, match="out must be"):
+        model.compute_logits(hidden[:1], out=torch.empty(2, cfg.vocab_size))
+    for rid in "abc":
+        kv.free(rid)
+    kv.close()
 
 
 def test_bad_shapes_are_refused(checkpoint: Path) -> None:

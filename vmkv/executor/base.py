@@ -34,7 +34,8 @@ LAYER_MODES = ("fused", "compiled", "eager")
 class StepOutput(NamedTuple):
     """``logits [N, vocab]`` (float32; None when the plan samples nothing) of the plan's
     ``sample_rows``, and the hidden states ``[count, hidden]`` of each of its
-    ``prompt_spans``."""
+    ``prompt_spans``. The logits may live in a buffer the next step overwrites: use them
+    before the next ``execute``."""
 
     logits: torch.Tensor | None
     prompt_hidden: list[torch.Tensor]

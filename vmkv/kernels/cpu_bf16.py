@@ -200,11 +200,12 @@ def linear_args(packed: torch.Tensor, bias: torch.Tensor | None, in_features: in
                       block_n=block_width(packed))
 
 
-def linear(x: torch.Tensor, args: LinearArgs, gemm: GemmArgs, out_dtype: torch.dtype
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, args: LinearArgs, gemm: GemmArgs, out_dtype: torch.dtype,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16 or float32, the weight's dtype, with ``gemm`` of that dtype) times the
     packed weight: ``[M, N]`` in ``out_dtype`` (bf16 x: float32 or bfloat16, rounded once;
-    float32 x: float32)."""
+    float32 x: float32), written into ``out`` when given (``[M, N]`` of that dtype, rows
+    contiguous) and returned."""
     if x.dtype not in _PREFIX or x.dim() != 2 or x.shape[1] != args.in_features:
         raise ValueError(f"a brgemm linear takes bfloat16 or float32 [M, {args.in_features}], "
                          f"got {x.dtype} {tuple(x.shape)}")
@@ -212,7 +213,12 @@ def linear(x: torch.Tensor, args: LinearArgs, gemm: GemmArgs, out_dtype: torch.d
         raise ValueError(f"a float32 brgemm linear gives float32, not {out_dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], args.out_features, dtype=out_dtype)
+    shape = (x.shape[0], args.out_features)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype)
+    elif tuple(out.shape) != shape or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {out_dtype} {shape} with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     err = entry(library(x.dtype), x.dtype, "linear")(
         ctypes.byref(gemm), ctypes.byref(args), x.data_ptr(), x.stride(0), x.shape[0],
         out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16))

@@ -172,8 +172,9 @@ class PackedLinear(nn.Module):
         return cpu_bf16.linear_args(self.packed_weight, self.bias, self.in_features,
                                     self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] -> [T, out_features]
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, in_features]`` -> ``[T, out_features]``; the brgemm backend writes into
+        ``out`` when given (see :func:`vmkv.kernels.cpu_bf16.linear`), the others ignore it."""
         if torch.compiler.is_compiling():  # opaque to Inductor: the packed call as it is
             return torch.ops.vmkv.packed_linear(x, self.packed_weight, self.bias,
                                                 self.out_features, self.backend)
@@ -181,7 +182,7 @@ class PackedLinear(nn.Module):
             if self._brgemm is None:
                 self._brgemm = (self.brgemm_args(),
                                 cpu_bf16.gemm_args(dtype=self.packed_weight.dtype))
-            return cpu_bf16.linear(x, *self._brgemm, self.out_dtype)
+            return cpu_bf16.linear(x, *self._brgemm, self.out_dtype, out)
         return packed_gemm(x, self.packed_weight, self.bias, self.out_features, self.backend)
 
 
@@ -245,6 +246,13 @@ def _resolve_bf16(backend: str) -> str:
     if backend == "onednn" and not onednn_available():
         raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
     return backend
+
+
+def writes_float32_into(linear: nn.Module) -> bool:
+    """Whether ``linear(x, out=buffer)`` writes its float32 result into ``buffer``: a brgemm
+    :class:`PackedLinear` with float32 output (the LM head's)."""
+    return (isinstance(linear, PackedLinear) and linear.backend == "brgemm"
+            and linear.out_dtype == torch.float32)
 
 
 def pack_linears(model: nn.Module, backend: str = "auto", batch_hint: int = 64) -> int:

@@ -26,6 +26,7 @@ from vmkv.attention.op import attention, attention_step
 from vmkv.distributed.collectives import all_reduce
 from vmkv.models.config import ModelConfig
 from vmkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from vmkv.models.linear import writes_float32_into
 
 Device = torch.device | str | None
 
@@ -173,6 +174,11 @@ class LlamaModel(nn.Module):
             x = LlamaDecoderLayer.forward(last, x, cos, sin, keep)  # [N, hidden]
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]`` (head in the model dtype)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]`` (head in the model dtype),
+        in ``out`` (float32 ``[N, vocab]``) where the head writes float32 itself
+        (:func:`~vmkv.models.linear.writes_float32_into`); otherwise ``out`` is not used."""
+        if out is not None and writes_float32_into(self.lm_head):
+            return self.lm_head(hidden, out=out)
         return self.lm_head(hidden).to(torch.float32)
