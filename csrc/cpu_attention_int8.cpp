@@ -361,11 +361,19 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(64) float qr[dim];
     to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
-    float amax = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(qr[d]));
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_load_ps(qr + d)));
+    }
+    const float amax = _mm512_reduce_max_ps(top);
     const float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
     qscale[r] = s * a.scale;
-    for (int64_t d = 0; d < dim; ++d) q16[r][d] = static_cast<int16_t>(std::nearbyint(qr[d] / s));
+    const __m512 inv = _mm512_set1_ps(1.0f / s);  // |q / s| <= 32767, a rounding saturated
+    for (int64_t d = 0; d < dim; d += 16) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q16[r] + d),
+                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                             _mm512_mul_ps(_mm512_load_ps(qr + d), inv))));
+    }
     std::fill(acc[r], acc[r] + dim, 0.0f);
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -490,15 +498,17 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   }
   for (int64_t r = 0; r < span * GROUP; ++r) {
     alignas(64) float res[dim];
-    for (int64_t c = 0; c < CH; ++c) {  // lane 4L + k of 2c: dim 32c + 8L + k; of 2c + 1: + 4
-      const float* lo_acc = acc[r] + 32 * c;
-      const float* hi_acc = lo_acc + 16;
-      for (int64_t lane = 0; lane < 4; ++lane) {
-        for (int64_t i = 0; i < 4; ++i) {
-          res[32 * c + 8 * lane + i] = lo_acc[4 * lane + i];
-          res[32 * c + 8 * lane + 4 + i] = hi_acc[4 * lane + i];
-        }
-      }
+    // lane 4L + k of chunk 2c is dim 32c + 8L + k, of 2c + 1 dim 32c + 8L + 4 + k: the two
+    // chunks' 128-bit lanes interleaved (lo 0, hi 0, lo 1, hi 1 | lo 2, hi 2, lo 3, hi 3)
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                            23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                             29, 30, 31);
+    for (int64_t c = 0; c < CH; ++c) {
+      const __m512 lo_acc = _mm512_load_ps(acc[r] + 32 * c);
+      const __m512 hi_acc = _mm512_load_ps(acc[r] + 32 * c + 16);
+      _mm512_store_ps(res + 32 * c, _mm512_permutex2var_ps(lo_acc, first, hi_acc));
+      _mm512_store_ps(res + 32 * c + 16, _mm512_permutex2var_ps(lo_acc, second, hi_acc));
     }
     store_output(res, dim, len > lo ? 1.0f / l[r] : 0.0f,
                  a.out + b * a.out_stride_b + (kvh0 * GROUP + r) * a.out_stride_h);
