@@ -80,31 +80,26 @@ void gemma_head_norms(T* qkv, int64_t t, int64_t width, int64_t hq, int64_t hkv,
   }
 }
 
-// act = round(round(gelu_tanh(round(gate + bg))) * round(up + bu)), where
-// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) = g / (1 + exp(-2 y)).
+// tanh GELU: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), computed as g / (1 + exp(-2 y))
+// (y the tanh's argument: the same function, torch's up to float's last bits)
+struct GeluTanh {
+  static constexpr float kTwoBeta = 2.0f * 0.7978845608028654f, kKappa = 0.044715f;
+  static float scalar(float g) {
+    return g / (1.0f + exp_approx(-kTwoBeta * (g + kKappa * g * g * g)));
+  }
+#if defined(VMKV_VECTOR)
+  static vfloat vec(vfloat g) {
+    const vfloat inner = vmul(vset1(-kTwoBeta), vfmadd(vmul(vset1(kKappa), vmul(g, g)), g, g));
+    return vdiv(g, vadd(vset1(1.0f), vexp(inner)));
+  }
+#endif
+};
+
+// act = round(round(gelu_tanh(round(gate + bg))) * round(up + bu))
 template <typename T>
 inline void gelu_tanh_mul_rounded(const float* gate, const float* up, const T* bias_gate,
                                   const T* bias_up, int64_t n0, int64_t cols, T* act) {
-  constexpr float kTwoBeta = 2.0f * 0.7978845608028654f, kKappa = 0.044715f;
-  int64_t i = 0;
-#if defined(VMKV_VECTOR)
-  const vfloat one = vset1(1.0f);
-  for (; i + kLanes <= cols; i += kLanes) {
-    vfloat g = vload(gate + i), u = vload(up + i);
-    if (bias_gate != nullptr) g = vadd(g, vload(bias_gate + n0 + i));
-    if (bias_up != nullptr) u = vadd(u, vload(bias_up + n0 + i));
-    g = vround_to<T>(g);
-    const vfloat inner = vmul(vset1(-kTwoBeta), vfmadd(vmul(vset1(kKappa), vmul(g, g)), g, g));
-    const vfloat gelu = vround_to<T>(vdiv(g, vadd(one, vexp(inner))));
-    vstore(act + i, vmul(gelu, vround_to<T>(u)));
-  }
-#endif
-  for (; i < cols; ++i) {
-    const float g = round_to<T>(gate[i] + bias_at(bias_gate, n0 + i));
-    const float u = round_to<T>(up[i] + bias_at(bias_up, n0 + i));
-    const float inner = -kTwoBeta * (g + kKappa * g * g * g);
-    act[i] = from_float<T>(round_to<T>(g / (1.0f + exp_approx(inner))) * u);
-  }
+  act_mul_rounded<GeluTanh>(gate, up, bias_gate, bias_up, n0, cols, act);
 }
 
 }  // namespace vmkv

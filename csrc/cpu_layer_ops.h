@@ -50,27 +50,41 @@ inline void add_rounded(const float* c, const T* bias, int64_t n0, int64_t cols,
   }
 }
 
-// act = round(round(silu(round(gate + bg))) * round(up + bu))
-template <typename T>
-inline void silu_mul_rounded(const float* gate, const float* up, const T* bias_gate,
-                             const T* bias_up, int64_t n0, int64_t cols, T* act) {
+// act = round(round(Act(round(gate + bg))) * round(up + bu)), Act the MLP's activation: a type
+// with `static float scalar(float)` and, where VMKV_VECTOR is defined, `static vfloat vec(vfloat)`.
+template <typename Act, typename T>
+inline void act_mul_rounded(const float* gate, const float* up, const T* bias_gate,
+                            const T* bias_up, int64_t n0, int64_t cols, T* act) {
   int64_t i = 0;
 #if defined(VMKV_VECTOR)
-  const vfloat one = vset1(1.0f);
   for (; i + kLanes <= cols; i += kLanes) {
     vfloat g = vload(gate + i), u = vload(up + i);
     if (bias_gate != nullptr) g = vadd(g, vload(bias_gate + n0 + i));
     if (bias_up != nullptr) u = vadd(u, vload(bias_up + n0 + i));
     g = vround_to<T>(g);
-    const vfloat silu = vround_to<T>(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))));
-    vstore(act + i, vmul(silu, vround_to<T>(u)));
+    vstore(act + i, vmul(vround_to<T>(Act::vec(g)), vround_to<T>(u)));
   }
 #endif
   for (; i < cols; ++i) {
     const float g = round_to<T>(gate[i] + bias_at(bias_gate, n0 + i));
     const float u = round_to<T>(up[i] + bias_at(bias_up, n0 + i));
-    act[i] = from_float<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * u);
+    act[i] = from_float<T>(round_to<T>(Act::scalar(g)) * u);
   }
+}
+
+// SiLU: g / (1 + exp(-g))
+struct Silu {
+  static float scalar(float g) { return g / (1.0f + exp_approx(-g)); }
+#if defined(VMKV_VECTOR)
+  static vfloat vec(vfloat g) { return vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g)))); }
+#endif
+};
+
+// act = round(round(silu(round(gate + bg))) * round(up + bu))
+template <typename T>
+inline void silu_mul_rounded(const float* gate, const float* up, const T* bias_gate,
+                             const T* bias_up, int64_t n0, int64_t cols, T* act) {
+  act_mul_rounded<Silu>(gate, up, bias_gate, bias_up, n0, cols, act);
 }
 
 // out = round(weight * round(x * inv)) over n values of one row.
