@@ -1,22 +1,39 @@
 """Speculative decoding on one user (batch 1), honest about acceptance: time per output token
-with and without proposals on the input-grounded workload (vmkv/bench/grounded.py: renames,
-typo fixes, quotes of this project's own files) and on random tokens, alternated, each run a
-fresh process; acceptance, mean accepted length, the share of accepted tokens inside repeated
-n-grams of the output itself, and whether the greedy tokens were the same.
+with and without proposals, alternated, each run a fresh process, on these workloads:
+
+- ``grounded``: vmkv/bench/grounded.py's tasks (renames, typo fixes, quotes of this project's
+  own files), greedy, stopped at the model's EOS (``--grounded-stop eos``, the default; the
+  task's answer length + 8 caps it), so each output is the task's answer and not what a small
+  model runs on into past it; ``--grounded-stop length`` is the earlier ``ignore_eos`` setting.
+- ``grounded-loopfree``: the same tasks, each capped where its greedy output (one probe run
+  without speculation) starts repeating a 4-gram of its own that is not in the prompt
+  (``loop_onset``): the answers without this small model's loops, so no accepted token can
+  come from one.
+- ``random-sampled``: random-token prompts sampled at ``--temperature`` (0.9) with a fixed seed
+  per prompt, ``ignore_eos``, 128 tokens: the output does not loop, rejection sampling really
+  rejects, so it shows the cost when guesses fail.
+- ``random``: the same prompts, greedy, ``ignore_eos``: this small model falls into loops there
+  (not run unless named in ``--workloads``).
+
+Reported per workload: acceptance, mean accepted length, the share of accepted tokens inside
+repeated 4-grams of the output itself, the mean output length, and (greedy) whether the tokens
+were the same with and without.
 
     python benchmarks/spec_decode.py --out DIR [--repeats 5] [--num-prompts 9]
+        [--workloads grounded,grounded-loopfree,random-sampled] [--grounded-stop eos|length]
+        [--temperature 0.9]
         [--spec '{"method": "ngram", "num_speculative_tokens": 5, ...}'] [--kv-mode virtual]
         [--lock /tmp/vmkv-bench.lock] [--max-output 256]
         [--openvino --openvino-model OV_DIR [--openvino-num-assistant-tokens 5]
          [--openvino-max-ngram-size 3]]
 
 Each run: one engine (``LLMEngine``, the default model, the machine's default dtype), one
-warm-up request, then every prompt alone (batch 1), greedy, ``ignore_eos``, exactly its
-output length; TPOT = (finish - first token) / (n - 1) from the engine's own clock, the
-median over prompts per run, the median of runs per variant. ``--openvino``: OpenVINO GenAI's
-``LLMPipeline`` with ``prompt_lookup=True`` on the same token ids (its venv and export from
-benchmarks/peers/setup.sh), in the rotation. Writes ``spec_decode.json`` and a plot under
-``--out``; ``--lock`` holds an exclusive flock per run.
+warm-up request, then every prompt alone (batch 1); TPOT = (finish - first token) / (n - 1)
+over the n tokens actually produced, from the engine's own clock, the median over prompts per
+run, the median of runs per variant. ``--openvino``: OpenVINO GenAI's ``LLMPipeline`` with
+``prompt_lookup=True`` on the same grounded token ids and caps, stopped the same way (its venv
+and export from benchmarks/peers/setup.sh), in the rotation. Writes ``spec_decode.json`` and a plot
+under ``--out``; ``--lock`` holds an exclusive flock per run.
 """
 
 from __future__ import annotations
@@ -39,8 +56,10 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_m
 OV_CHILD = ROOT / "benchmarks" / "peers" / "openvino_prompt_lookup.py"
 
 
-def workloads(num_prompts: int, max_output: int, seed: int = 0) -> dict[str, list[dict]]:
-    """``{"grounded": [...], "random": [...]}``: ``{"kind", "prompt", "output_len"}`` rows."""
+def workloads(num_prompts: int, max_output: int, *, grounded_stop: str = "eos",
+              temperature: float = 0.9, seed: int = 0) -> dict[str, list[dict]]:
+    """``{"grounded", "random-sampled", "random"}`` -> rows of ``{"kind", "prompt",
+    "output_len", "ignore_eos", "temperature", "seed"}``."""
     from vmkv.bench.grounded import chat_encoder, grounded_workload
     from vmkv.bench.workloads import WorkloadSpec, for_tokenizer
     from vmkv.models import load_tokenizer, resolve_model
@@ -51,9 +70,15 @@ def workloads(num_prompts: int, max_output: int, seed: int = 0) -> dict[str, lis
     random_rows = for_tokenizer(WorkloadSpec("random", num_prompts=num_prompts,
                                              input_len=(128, 512), output_len=(128, 128),
                                              seed=seed), tok)
-    return {"grounded": [{"kind": k, "prompt": ids, "output_len": n} for k, ids, n in grounded],
-            "random": [{"kind": "random", "prompt": r.prompt_token_ids,
-                        "output_len": r.output_len} for r in random_rows]}
+    def rand(temp: float) -> list[dict]:
+        return [{"kind": "random", "prompt": r.prompt_token_ids, "output_len": r.output_len,
+                 "ignore_eos": True, "temperature": temp, "seed": seed + i}
+                for i, r in enumerate(random_rows)]
+
+    return {"grounded": [{"kind": k, "prompt": ids, "output_len": n,
+                          "ignore_eos": grounded_stop == "length", "temperature": 0.0,
+                          "seed": None} for k, ids, n in grounded],
+            "random-sampled": rand(temperature), "random": rand(0.0)}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -74,7 +99,8 @@ def child(args: argparse.Namespace) -> None:
 
     def one(rid: str, row: dict) -> Any:
         engine.add_request(rid, row["prompt"], SamplingParams(
-            temperature=0.0, max_tokens=row["output_len"], ignore_eos=True))
+            temperature=row["temperature"], seed=row["seed"], max_tokens=row["output_len"],
+            ignore_eos=row["ignore_eos"]))
         final = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -99,6 +125,20 @@ def child(args: argparse.Namespace) -> None:
         result["repeated_ngram_share"] = repeated_ngram_share(outputs, accepted)
     engine.close()
     print("RESULT " + json.dumps(result))
+
+
+def loop_onset(prompt: list[int], output: list[int], n: int = 4) -> int:
+    """Where ``output`` starts repeating itself: the first position whose ``n``-gram occurred
+    earlier in the output and nowhere in the prompt (copying the prompt's own repeated lines
+    is no loop); ``len(output)`` when none does. ``output[:onset]`` repeats no such n-gram."""
+    in_prompt = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    seen: set[tuple[int, ...]] = set()
+    for i in range(len(output) - n + 1):
+        gram = tuple(output[i : i + n])
+        if gram in seen and gram not in in_prompt:
+            return i
+        seen.add(gram)
+    return len(output)
 
 
 class Held:
@@ -135,7 +175,13 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC))
     ap.add_argument("--kv-mode", default="virtual")
-    ap.add_argument("--workloads", default="grounded,random")
+    ap.add_argument("--workloads", default="grounded,grounded-loopfree,random-sampled",
+                    help="comma-separated: grounded, grounded-loopfree, random-sampled, random")
+    ap.add_argument("--grounded-stop", choices=("eos", "length"), default="eos",
+                    help="grounded tasks stop at the model's EOS (default) or run to their "
+                         "length with ignore_eos")
+    ap.add_argument("--temperature", type=float, default=0.9,
+                    help="random-sampled's temperature (seeded per prompt)")
     ap.add_argument("--lock", default=None)
     ap.add_argument("--openvino", action="store_true")
     ap.add_argument("--openvino-python",
@@ -152,13 +198,22 @@ def main() -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = workloads(args.num_prompts, args.max_output)
+    rows = workloads(args.num_prompts, args.max_output, grounded_stop=args.grounded_stop,
+                     temperature=args.temperature)
     names = args.workloads.split(",")
+    me = [sys.executable, str(Path(__file__).resolve())]
+    if "grounded-loopfree" in names:
+        probe = out / "grounded-probe.json"
+        probe.write_text(json.dumps(rows["grounded"]))
+        greedy = run_child([*me, "--out", str(out), "--child", str(probe), "--spec", "off",
+                            "--kv-mode", args.kv_mode], args.lock)["outputs"]
+        rows["grounded-loopfree"] = [
+            {**row, "output_len": max(2, loop_onset(row["prompt"], tokens))}
+            for row, tokens in zip(rows["grounded"], greedy, strict=True)]
     files = {}
     for name in names:
         files[name] = out / f"{name}.json"
         files[name].write_text(json.dumps(rows[name]))
-    me = [sys.executable, str(Path(__file__).resolve())]
     variants = {"off": "off", "spec": args.spec}
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
@@ -171,7 +226,7 @@ def main() -> int:
                 runs.append({"workload": name, "variant": variant, "repeat": rep, **r})
                 print(f"{name} {variant} rep {rep}: {r['tpot_median_ms']:.2f} ms/token",
                       flush=True)
-            if args.openvino and name == "grounded":
+            if args.openvino and name.startswith("grounded"):
                 cmd = [args.openvino_python, str(OV_CHILD), args.openvino_model,
                        str(files[name]), "--threads", str(os.cpu_count()),
                        "--num-assistant-tokens", str(args.openvino_num_assistant_tokens),
@@ -180,29 +235,47 @@ def main() -> int:
                 runs.append({"workload": name, "variant": "openvino-prompt-lookup",
                              "repeat": rep, **r})
                 print(f"{name} openvino rep {rep}: {r['tpot_median_ms']:.2f} ms/token", flush=True)
-    result = summarise(runs, names, args)
+    result = summarise(runs, names, args, rows)
     (out / "spec_decode.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
     plot(result, out / "spec_decode.png")
     return 0
 
 
-def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Namespace
-              ) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Namespace,
+              rows: dict[str, list[dict]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
+    for r in runs:
+        r["output_tokens"] = [len(o) for o in r["outputs"]]
     for name in names:
         mine = [r for r in runs if r["workload"] == name]
         med = {v: statistics.median(r["tpot_median_ms"] for r in mine if r["variant"] == v)
                for v in {r["variant"] for r in mine}}
         spec_runs = [r for r in mine if r["variant"] == "spec"]
         off_runs = [r for r in mine if r["variant"] == "off"]
+        greedy = "sampled" not in name
         s: dict[str, Any] = {"tpot_median_ms": med,
                              "spec_over_off": med["spec"] / med["off"],
-                             "same_greedy_tokens": all(r["outputs"] == off_runs[0]["outputs"]
-                                                       for r in spec_runs + off_runs)}
+                             "per_run_spec_over_off": [
+                                 a["tpot_median_ms"] / b["tpot_median_ms"]
+                                 for a, b in zip(spec_runs, off_runs, strict=True)],
+                             "mean_output_tokens": {
+                                 v: statistics.mean(next(r for r in mine if r["variant"] == v)
+                                                    ["output_tokens"]) for v in med},
+                             # outputs that ended before their cap (at EOS), per variant
+                             "stopped_early": {
+                                 v: sum(n < row["output_len"] for n, row in zip(
+                                     next(r for r in mine if r["variant"] == v)["output_tokens"],
+                                     rows[name], strict=True)) for v in med},
+                             "same_greedy_tokens": (all(r["outputs"] == off_runs[0]["outputs"]
+                                                        for r in spec_runs + off_runs)
+                                                    if greedy else None)}
         if "openvino-prompt-lookup" in med:
             s["spec_over_openvino"] = med["spec"] / med["openvino-prompt-lookup"]
         sd = spec_runs[0].get("spec_decode", {})
+        produced = sum(spec_runs[0]["output_tokens"])
+        s["proposed_tokens_per_output_token"] = (sd.get("spec_decode_num_draft_tokens", 0)
+                                                 / max(1, produced))
         s.update(acceptance_rate=sd.get("acceptance_rate"),
                  mean_accepted_length=sd.get("mean_accepted_length"),
                  repeated_ngram_share=spec_runs[0].get("repeated_ngram_share"),
@@ -211,6 +284,8 @@ def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Names
     return {"summary": summary, "runs": [{k: v for k, v in r.items() if k != "outputs"}
                                          for r in runs],
             "settings": {"spec": json.loads(args.spec), "kv_mode": args.kv_mode,
+                         "grounded_stop": args.grounded_stop,
+                         "random_sampled_temperature": args.temperature,
                          "num_prompts": args.num_prompts, "repeats": args.repeats,
                          "max_output": args.max_output, "dtype": runs[0].get("dtype"),
                          "openvino": ({"num_assistant_tokens": args.openvino_num_assistant_tokens,

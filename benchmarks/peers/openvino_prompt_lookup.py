@@ -1,6 +1,8 @@
 """OpenVINO GenAI's prompt-lookup decoding on one user: each prompt of a workload file alone
-(batch 1), greedy, ``ignore_eos``, exactly its output length; prints ``RESULT {json}`` with
-the per-prompt time per output token from OpenVINO's own ``perf_metrics`` (``get_tpot``).
+(batch 1), greedy, up to its output length, stopped at EOS unless the row says
+``"ignore_eos": true`` (the default when absent: exactly its output length); prints
+``RESULT {json}`` with the per-prompt time per output token from OpenVINO's own
+``perf_metrics`` (``get_tpot``).
 
 Usage (inside the OpenVINO venv, benchmarks/peers/setup.sh ``ensure_openvino_venv``; the model
 from ``ensure_openvino_model``), as benchmarks/spec_decode.py runs it:
@@ -8,8 +10,8 @@ from ``ensure_openvino_model``), as benchmarks/spec_decode.py runs it:
     python openvino_prompt_lookup.py OV_MODEL_DIR WORKLOAD.json --threads 2 \
         [--num-assistant-tokens 5] [--max-ngram-size 4] [--precision bf16]
 
-WORKLOAD.json: a list of ``{"prompt": [ids], "output_len": n}`` (the same token ids vmkv
-runs). The first prompt also runs once as a warm-up.
+WORKLOAD.json: a list of ``{"prompt": [ids], "output_len": n, "ignore_eos": bool}`` (the same
+token ids vmkv runs). The first prompt also runs once as a warm-up.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def main() -> None:
                           INFERENCE_PRECISION_HINT=args.precision)
 
     def one(row: dict) -> tuple[float, list[int]]:
-        config = og.GenerationConfig()
+        config = pipe.get_generation_config()  # the export's EOS ids
         config.do_sample = False
-        config.ignore_eos = True
-        config.max_new_tokens = config.min_new_tokens = row["output_len"]
+        config.ignore_eos = row.get("ignore_eos", True)
+        config.max_new_tokens = row["output_len"]
+        config.min_new_tokens = row["output_len"] if config.ignore_eos else 0
         config.num_assistant_tokens = args.num_assistant_tokens
         config.max_ngram_size = args.max_ngram_size
         res = pipe.generate(ov.Tensor(np.asarray([row["prompt"]], dtype=np.int64)), config)
