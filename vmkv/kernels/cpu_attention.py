@@ -113,6 +113,30 @@ def addressing_args(starts: torch.Tensor | None, block_table: torch.Tensor | Non
     return starts.to(torch.int64).contiguous(), None, 0
 
 
+def decode_out_and_new_rows(q: torch.Tensor, kv_heads: int, out: torch.Tensor | None,
+                            new_kv: tuple[torch.Tensor, torch.Tensor] | None
+                            ) -> tuple[torch.Tensor, tuple]:
+    """What every CPU decode kernel (both KV dtypes) takes besides its cache: the output
+    ``[B, heads * D]`` in ``q``'s dtype (``out`` checked, or a new tensor) and the new rows'
+    arguments ``(k, k_stride_b, k_stride_h, v, v_stride_b, v_stride_h)`` (NULLs without
+    ``new_kv``); ValueError naming what is wrong."""
+    batch, heads, dim = q.shape
+    if out is None:
+        out = torch.empty(batch, heads * dim, dtype=q.dtype)
+    elif out.shape != (batch, heads * dim) or not out.is_contiguous() or out.dtype != q.dtype:
+        raise ValueError(f"out must be contiguous {q.dtype} [{batch}, {heads * dim}], got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if new_kv is None:
+        return out, (None, 0, 0, None, 0, 0)
+    k_new, v_new = new_kv
+    for t in (k_new, v_new):
+        if t.shape != (batch, kv_heads, dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
+            raise ValueError(f"new K/V rows must be {q.dtype} [{batch}, {kv_heads}, {dim}] "
+                             f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
+    return out, (k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
+                 v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
+
+
 def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens: torch.Tensor,
            scale: float, *, starts: torch.Tensor | None = None,
            block_table: torch.Tensor | None = None, block_size: int = 0,
@@ -134,18 +158,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
                                                       block_table)
     batch, heads, dim = q.shape
     kv_heads = k_rows.shape[1]
-    if out is None:
-        out = torch.empty(batch, heads * dim, dtype=q.dtype)
-    elif out.shape != (batch, heads * dim) or not out.is_contiguous() or out.dtype != q.dtype:
-        raise ValueError(f"out must be contiguous {q.dtype} [{batch}, {heads * dim}], got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    k_new = v_new = None
-    if new_kv is not None:
-        k_new, v_new = new_kv
-        for t in (k_new, v_new):
-            if t.shape != (batch, kv_heads, dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
-                raise ValueError(f"new K/V rows must be {q.dtype} [{batch}, {kv_heads}, {dim}] "
-                                 f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
+    out, fresh = decode_out_and_new_rows(q, kv_heads, out, new_kv)
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_decode_attention(
         DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
@@ -153,11 +166,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
         starts.data_ptr() if starts is not None else None,
         block_table.data_ptr() if block_table is not None else None, table_stride, block_size,
         lens.data_ptr(), batch, heads, kv_heads, dim, float(scale),
-        out.data_ptr(), heads * dim, dim,
-        *((k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
-           v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
-          if k_new is not None and v_new is not None else (None, 0, 0, None, 0, 0)),
-        window_arg(window),
+        out.data_ptr(), heads * dim, dim, *fresh, window_arg(window),
     )
     if err:
         raise ValueError(f"bad arguments to the CPU decode kernel: q {tuple(q.shape)}, "

@@ -26,7 +26,12 @@ import functools
 import torch
 
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
-from vmkv.kernels.cpu_attention import DTYPE_CODES, addressing_args, window_arg
+from vmkv.kernels.cpu_attention import (
+    DTYPE_CODES,
+    addressing_args,
+    decode_out_and_new_rows,
+    window_arg,
+)
 
 SOURCE = CSRC / "cpu_attention_int8.cpp"
 LIBRARY = "vmkv_cpu_attention_int8"
@@ -133,20 +138,7 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
                          f"got {q.dtype} {tuple(q.shape)}")
     if k_rows.stride() != v_rows.stride() or v_rows.dtype != torch.int8:
         raise ValueError("k/v cache rows need equal strides and int8 storage")
-    if out is None:
-        out = torch.empty(batch, heads * dim, dtype=q.dtype)
-    elif out.shape != (batch, heads * dim) or not out.is_contiguous() or out.dtype != q.dtype:
-        raise ValueError(f"out must be contiguous {q.dtype} [{batch}, {heads * dim}], got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    fresh: tuple = (None, 0, 0, None, 0, 0)
-    if new_kv is not None:
-        k_new, v_new = new_kv
-        for t in (k_new, v_new):
-            if t.shape != (batch, kv_heads, dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
-                raise ValueError(f"new K/V rows must be {q.dtype} [{batch}, {kv_heads}, {dim}] "
-                                 f"with unit stride in D, got {t.dtype} {tuple(t.shape)}")
-        fresh = (k_new.data_ptr(), k_new.stride(0), k_new.stride(1),
-                 v_new.data_ptr(), v_new.stride(0), v_new.stride(1))
+    out, fresh = decode_out_and_new_rows(q, kv_heads, out, new_kv)
     starts, block_table, table_stride = addressing_args(starts, block_table)
     lens = seq_lens.to(torch.int32).contiguous()
     err = lib.vmkv_cpu_decode_attention_int8(
