@@ -40,7 +40,6 @@ namespace {
 
 using namespace vmkv;
 
-
 constexpr int64_t kTile = 32;  // tokens per tile: K rows, then the same V rows
 constexpr int64_t kMaxTaskRows = 48;  // query heads of one decode task (its KV heads x group)
 
@@ -332,16 +331,6 @@ inline void tile_values(const float* p, int64_t group, int64_t dim, const T* con
     }
   }
 }
-
-// The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), which decode
-// stores at each request's last token (seq_lens[b] - 1) before attending; k == nullptr: none.
-template <typename T>
-struct NewRows {
-  const T* k = nullptr;
-  int64_t k_stride_b = 0, k_stride_h = 0;
-  const T* v = nullptr;
-  int64_t v_stride_b = 0, v_stride_h = 0;
-};
 
 #if defined(__AVX512BF16__)
 // bfloat16 decode on AVX512-BF16 dot products (vdpbf16ps): no widening of K/V, a score tile of

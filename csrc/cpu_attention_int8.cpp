@@ -235,16 +235,6 @@ inline void dequantize_row(const int8_t* row, int64_t dim, T* dst) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(x[d]);
 }
 
-// The decoding tokens' own K/V rows ([batch, kv_heads, dim] at these strides), quantised into
-// each request's last token (seq_lens[b] - 1) before it attends; k == nullptr: none.
-template <typename T>
-struct NewRows {
-  const T* k = nullptr;
-  int64_t k_stride_b = 0, k_stride_h = 0;
-  const T* v = nullptr;
-  int64_t v_stride_b = 0, v_stride_h = 0;
-};
-
 // What one decode task reads and writes (request b, KV heads [kvh0, kvh1)).
 template <typename T>
 struct DecodeArgs {
