@@ -8,10 +8,11 @@
     grammar bitmask (structured outputs: tokens the row's grammar forbids at -inf)
         |-- greedy rows: argmax
         '-- random rows: / temperature -> min_p -> top_k -> top_p -> softmax
-                         -> argmax(probs / Exponential(1) noise)
+                         -> inverse CDF: the first token whose running probability passes
+                            one uniform draw (cpu_argmax.sample_rows: one kernel on the CPU)
 
 Every step is a whole-batch tensor operation; a stage no request needs is skipped. A request
-with a seed draws its noise row from its own generator and every stage is row-wise and an exact
+with a seed draws its uniform from its own generator and every stage is row-wise and an exact
 no-op on rows that do not use it, so its tokens do not depend on the rest of its batch.
 """
 
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from vmkv.kernels.cpu_argmax import argmax_rows
+from vmkv.kernels.cpu_argmax import argmax_rows, sample_rows
 from vmkv.sampling.grammar import apply_grammar_bitmask, constrained_rows
 from vmkv.sampling.logprobs import gather_logprobs
 from vmkv.sampling.penalties import apply_min_tokens, apply_penalties
@@ -72,17 +73,19 @@ class Sampler:
         penalised_rows = [i for i, s in enumerate(states) if _has_penalty(s.params)]
         grammar_rows = constrained_rows(states)
         token_rows = [i for i, s in enumerate(states) if s.params.has_token_constraints]
-        if (not penalised_rows and not grammar_rows and not token_rows
-                and all(s.params.is_greedy for s in states)
-                and not any(s.masked_token_ids for s in states)):
+        edits_logits = (penalised_rows or grammar_rows or token_rows
+                        or any(s.masked_token_ids for s in states))
+        if not edits_logits and all(s.params.is_greedy for s in states):
             token_ids = argmax_rows(logits)  # the common greedy batch: no copy of [B, V]
+        elif not edits_logits:  # sampling alone reads the logits: no copy either
+            token_ids = self._sample(logits.float(), states)  # token_ids: [B] int64
         else:
             logits = logits.to(torch.float32, copy=True)  # logits: [B, V]
             apply_penalties(logits, states, penalised_rows)
             apply_token_constraints(logits, states, token_rows)
             apply_min_tokens(logits, states, skip_rows=grammar_rows)
             apply_grammar_bitmask(logits, states, grammar_rows)
-            token_ids = self._sample(logits, states)  # token_ids: [B] int64
+            token_ids = self._sample(logits, states)
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), None, None)
         sampled, top = gather_logprobs(raw_logprobs, token_ids, [k or 0 for k in num_top])
@@ -101,40 +104,39 @@ class Sampler:
         return token_ids
 
     def _sample_random(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """Temperature, truncation and the exponential race for non-greedy rows: ``[R]``."""
+        """Temperature, truncation and the inverse-CDF draw for non-greedy rows: ``[R]``."""
         params = [s.params for s in states]
         device, vocab_size = logits.device, logits.shape[-1]
-        if any(p.temperature != 1.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        truncated = any(p.min_p > 0 or p.top_p < 1.0 for p in params) or any(top_k)
+        if truncated:  # truncation sees the tempered distribution
             logits = logits / temperature[:, None]
+            temperature = torch.ones_like(temperature)
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
         if any(top_k):
             logits = apply_top_k(logits, torch.tensor(top_k, device=device), max(top_k))
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        probs = logits.softmax(dim=-1)  # probs: [R, V]
-        return argmax_rows(probs.div_(self._exponential_noise(probs, states)))
+        return sample_rows(logits, temperature, self._uniforms(states, device))
 
-    def _exponential_noise(
-        self, probs: torch.Tensor, states: Sequence[SamplingState]
-    ) -> torch.Tensor:
-        """Exponential(1) noise like ``probs``: seeded rows from their own generators."""
-        noise = torch.empty_like(probs)  # noise: [R, V]
+    def _uniforms(self, states: Sequence[SamplingState], device: torch.device) -> torch.Tensor:
+        """One float64 uniform in [0, 1) per row: seeded rows from their own generators, the
+        rest in one draw from ``self.generator``."""
+        uniforms = torch.empty(len(states), dtype=torch.float64, device=device)  # uniforms: [R]
         unseeded = [i for i, s in enumerate(states) if s.generator is None]
         if len(unseeded) == len(states):
-            noise.exponential_(generator=self.generator)
+            uniforms.uniform_(generator=self.generator)
         elif unseeded:
-            draw = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device)
-            noise[torch.tensor(unseeded, device=probs.device)] = draw.exponential_(
-                generator=self.generator
-            )
+            draw = torch.empty(len(unseeded), dtype=torch.float64, device=device)
+            uniforms[torch.tensor(unseeded, device=device)] = draw.uniform_(
+                generator=self.generator)
         for i, state in enumerate(states):
             if state.generator is not None:
-                noise[i].exponential_(generator=state.generator)
-        # NOTE: a zero draw would make 0 / 0 = NaN for a masked token, and argmax picks NaN.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+                uniforms[i] = torch.empty(1, dtype=torch.float64, device=device).uniform_(
+                    generator=state.generator)[0]
+        return uniforms
 
 
 def _has_penalty(params: SamplingParams) -> bool:

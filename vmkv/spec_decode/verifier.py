@@ -4,7 +4,7 @@ A sequence with proposals ``d1 .. dk`` ran ``k + 1`` query rows (its last token,
 proposals); row ``j``'s logits are the target model's distribution for the token after
 ``d1 .. dj``. Round ``j`` samples row ``j`` of every sequence still verifying, in one batched
 sampler call, with the sequence's state as it is now (penalties, logit bias, grammar mask,
-min_tokens, seeded noise all see the tokens accepted in the rounds before), and appends the
+min_tokens, seeded draws all see the tokens accepted in the rounds before), and appends the
 token as any step would (stop strings, stop tokens, max_tokens, logprobs):
 
     token == d(j+1)   accepted: the next round goes on
@@ -16,7 +16,7 @@ proposals makes. Sampling: for a point-mass draft (ngram, suffix, a greedy draft
 *is* vLLM's rejection sampler: a proposal is accepted with probability p(d) (the sampled
 token equals it) and a rejection's token is distributed as p without d renormalised, so the
 output distribution is the target's exactly (tests/test_spec_decode_sampling.py measures it);
-each emitted token draws one noise row, so a seeded request's tokens are those it gets
+each emitted token draws one uniform, so a seeded request's tokens are those it gets
 without speculation. A grammar never sees a rejected proposal, so it never needs rolling back.
 
 Where no row's token can depend on the tokens accepted before it in the step (greedy, no
