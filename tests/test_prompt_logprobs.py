@@ -66,7 +66,7 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_cache_hits(
             assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
     # generating too: the prompt's logprobs are unchanged, the samples share them (n=2)
     both = llm.generate(ids[0], SamplingParams(max_tokens=4, n=2, temperature=1, seed=0,
-                                               prompt_logprobs=K, logprobs=1),
+                                               ignore_eos=True, prompt_logprobs=K, logprobs=1),
                         use_tqdm=False)[0]
     assert_matches(both.prompt_logprobs, *reference[0])
     assert [len(o.token_ids) for o in both.outputs] == [4, 4]
