@@ -126,12 +126,31 @@ def test_structured_outputs_compared_at_the_same_lengths(tmp_path: Path) -> None
     assert any(row["mode"] == "paged+json/paged" for row in result["rows"])
 
 
+def test_sampling_compared_at_the_same_lengths(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--compare-sampling T runs each engine greedy and sampled at T in one alternation: the
+    sampled requests write exactly as many tokens as the greedy ones."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--kv-mode", "virtual", *TINY, *ENGINE, "--repeats", "2",
+                 "--warmup-prompts", "1", "--compare-sampling", "1.0", "--no-progress",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["repeat"]) for r in result["runs"]] == [
+        ("virtual", 0), ("virtual+sampled", 0), ("virtual+sampled", 1), ("virtual", 1)]
+    for run in result["runs"]:
+        assert run["output_tokens"] == run["requested_output_tokens"] and not run["short_outputs"]
+    assert len(result["sampled_ratios"]["virtual"]) == 2
+    assert any(row["mode"] == "virtual+sampled/virtual" for row in result["rows"])
+    assert main(["bench", "throughput", *TINY, *ENGINE, "--compare-sampling", "0"]) != 0
+    assert "--compare-sampling takes a temperature > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_the_bench_schema_constrains_what_is_generated() -> None:
     from vmkv import LLM
-    from vmkv.bench.throughput import params_for
+    from vmkv.bench.throughput import STRUCTURED, params_for
 
     llm = LLM(max_model_len=128)
-    text = llm.generate([1, 2, 3], params_for(40, BENCH_STRUCTURE),
+    text = llm.generate([1, 2, 3], params_for(40, STRUCTURED),
                         use_tqdm=False)[0].outputs[0].text
     assert text.lstrip().startswith("[") and '"id"' in text
     matcher = llm.engine.grammars.new_state(BENCH_STRUCTURE).matcher

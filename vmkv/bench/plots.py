@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 MODE_COLORS = {"virtual": "tab:blue", "paged": "tab:orange", "virtual+prefix": "tab:green",
-               "paged+prefix": "tab:red", "virtual+json": "tab:purple", "paged+json": "tab:brown"}
+               "paged+prefix": "tab:red", "virtual+json": "tab:purple", "paged+json": "tab:brown",
+               "virtual+sampled": "tab:olive", "paged+sampled": "tab:cyan"}
 
 
 def pyplot() -> Any:

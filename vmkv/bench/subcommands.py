@@ -70,10 +70,15 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
                engine_config(argparse.Namespace(**{**vars(args), "kv_mode": m,
                                                     "enable_prefix_caching": on}))
                for m in modes for on in caching}
-    structured = throughput.BENCH_STRUCTURE if args.compare_structured_outputs else None
+    if args.compare_structured_outputs and args.compare_sampling is not None:
+        raise ValueError("--compare-structured-outputs and --compare-sampling each add one twin "
+                         "run per mode: use one of them at a time")
+    twin = (throughput.STRUCTURED if args.compare_structured_outputs
+            else throughput.sampled(args.compare_sampling) if args.compare_sampling is not None
+            else None)
     result = throughput.run(configs, requests, repeats=args.repeats,
                             warmup_prompts=args.warmup_prompts, progress=not args.no_progress,
-                            structured=structured)
+                            twin=twin)
     if args.baseline == "hf":
         from vmkv.models import resolve_model
 
@@ -106,10 +111,11 @@ def _bench_throughput_replicas(args: argparse.Namespace, requests: list[object],
     from vmkv.bench import throughput_dp
 
     if (args.kv_mode == "both" or args.compare_prefix_caching
-            or args.compare_structured_outputs or args.baseline != "none"):
+            or args.compare_structured_outputs or args.compare_sampling is not None
+            or args.baseline != "none"):
         raise ValueError("--data-parallel-size > 1 runs one engine kind: use it without "
                          "--kv-mode both, --compare-prefix-caching, "
-                         "--compare-structured-outputs and --baseline")
+                         "--compare-structured-outputs, --compare-sampling and --baseline")
     result = throughput_dp.run(engine_config(args), requests, repeats=args.repeats,
                                warmup_prompts=args.warmup_prompts,
                                progress=not args.no_progress)
@@ -265,6 +271,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-structured-outputs", action="store_true",
                    help="run every mode plain and JSON-schema constrained (same lengths), "
                         "alternated; print constrained/plain")
+    p.add_argument("--compare-sampling", type=float, metavar="TEMPERATURE",
+                   help="run every mode greedy and sampled at TEMPERATURE (same lengths), "
+                        "alternated; print sampled/greedy")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode")
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="requests of the workload run once per engine before measuring")

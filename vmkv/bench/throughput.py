@@ -2,8 +2,8 @@
 ``bench throughput``), stepping :class:`~vmkv.engine.llm_engine.LLMEngine` directly so KV memory
 can be sampled after every step.
 
-Every request is greedy with ``ignore_eos=True`` and ``max_tokens=output_len``, so each mode
-and engine does exactly the same work. Per run:
+Every request is greedy (or sampled, in the sampling twin) with ``ignore_eos=True`` and
+``max_tokens=output_len``, so each mode and engine does exactly the same work. Per run:
 
     throughput      requests/s, output tokens/s, total (prompt + output) tokens/s
     KV memory       peak and mean ``usage.bytes_in_use`` (what live requests need), peak
@@ -23,7 +23,9 @@ in the same alternation, and reports on/off per mode and repetition: the overhea
 a 0 % hit rate, or its gain on shared prefixes, measured side by side.
 ``--compare-structured-outputs`` runs every engine's workload twice per repetition, plain and
 constrained by :data:`BENCH_SCHEMA` (``virtual+json``...), alternated, and reports
-constrained/plain: the cost of structured outputs at the same lengths.
+constrained/plain: the cost of structured outputs at the same lengths. ``--compare-sampling T``
+likewise runs every workload greedy and sampled at temperature T (``virtual+sampled``...) and
+reports sampled/greedy: the cost of random sampling at the same lengths.
 """
 
 from __future__ import annotations
@@ -59,12 +61,40 @@ BENCH_SCHEMA = {"type": "array", "minItems": 100_000, "items": {
 BENCH_STRUCTURE = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
 
 
-def params_for(output_len: int, structured: StructuredOutputsParams | None = None
-               ) -> SamplingParams:
-    """Greedy, EOS ignored, exactly ``output_len`` tokens (the same work on every engine),
-    optionally constrained by ``structured``; one output per request, at its end."""
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                          structured_outputs=structured,
+PREFIX_SUFFIX = "+prefix"  # name suffix of the prefix-caching twin (--compare-prefix-caching)
+STRUCTURED_SUFFIX = "+json"  # name of the constrained runs (--compare-structured-outputs)
+SAMPLED_SUFFIX = "+sampled"  # name of the sampled runs (--compare-sampling)
+TWINS = {"prefix": PREFIX_SUFFIX, "structured": STRUCTURED_SUFFIX,
+         "sampled": SAMPLED_SUFFIX}
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """How every request of a run asks: greedy or sampled at ``temperature`` (unseeded: the
+    engine's generator), optionally constrained by ``structured``; ``suffix`` names the runs
+    (``""``: the plain greedy runs)."""
+
+    suffix: str = ""
+    structured: StructuredOutputsParams | None = None
+    temperature: float = 0.0
+
+
+PLAIN = RequestKind()
+STRUCTURED = RequestKind(STRUCTURED_SUFFIX, structured=BENCH_STRUCTURE)
+
+
+def sampled(temperature: float) -> RequestKind:
+    """The sampling twin at ``temperature`` (> 0)."""
+    if not temperature > 0:
+        raise ValueError(f"--compare-sampling takes a temperature > 0, got {temperature}")
+    return RequestKind(SAMPLED_SUFFIX, temperature=temperature)
+
+
+def params_for(output_len: int, kind: RequestKind = PLAIN) -> SamplingParams:
+    """EOS ignored, exactly ``output_len`` tokens (the same work on every engine), as ``kind``
+    asks; one output per request, at its end."""
+    return SamplingParams(temperature=kind.temperature, max_tokens=output_len, ignore_eos=True,
+                          structured_outputs=kind.structured,
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
@@ -113,10 +143,9 @@ class _Trace:
 
 
 def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
-             progress: bool = True, structured: StructuredOutputsParams | None = None
-             ) -> dict[str, Any]:
-    """Queue every request (constrained by ``structured`` if given), step until all finish,
-    and return the run's numbers."""
+             progress: bool = True, kind: RequestKind = PLAIN) -> dict[str, Any]:
+    """Queue every request (asked as ``kind`` says), step until all finish, and return the
+    run's numbers."""
     stats = engine.scheduler.stats
     before = (stats.num_preemptions, stats.num_recomputed_tokens)
     ops_before = _op_totals(engine)
@@ -126,7 +155,7 @@ def run_once(engine: LLMEngine, requests: Sequence[BenchRequest], *, tag: str,
     faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start, cpu_start = time.monotonic(), time.process_time()
     for rid, r in zip(ids, requests, strict=True):
-        engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len, structured))
+        engine.add_request(rid, r.prompt_token_ids, params_for(r.output_len, kind))
     trace, overhead = _Trace(), 0.0
     outputs: dict[str, Any] = {}
     steps = 0
@@ -206,10 +235,11 @@ def _map_numbers(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
 
 def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, repeats: int = 3,
         warmup_prompts: int = 8, progress: bool = True,
-        structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
+        twin: RequestKind | None = None) -> dict[str, Any]:
     """Build one engine per mode (``{"virtual": cfg, "paged": cfg}`` or one of them), warm each
     up, then run the workload ``repeats`` times per mode, alternating modes. With
-    ``structured``, every engine also runs it constrained (as ``<mode>+json``), alternated.
+    ``twin`` (:data:`STRUCTURED`, :func:`sampled`), every engine also runs it so asked (as
+    ``<mode>+json``, ``<mode>+sampled``), alternated.
 
     Returns ``{"startup", "dtype", "runs", "summary", "ratios"?, "ratio_median"?}`` (``dtype``:
     each mode's dtype and why: asked for, or what ``auto`` picked on this CPU); each run carries
@@ -237,18 +267,18 @@ def run(configs: dict[str, EngineConfig], requests: Sequence[BenchRequest], *, r
             kv_info[mode] = {"kv_cache_dtype": config.kv_cache_dtype_name,
                              "kv_bytes_per_token": spec.bytes_per_token,
                              "kv_tokens_per_gib": 2**30 // spec.bytes_per_token}
-        structures = [None] if structured is None else [None, structured]
-        variants = [(mode, so) for mode in engines for so in structures]
-        for mode, so in variants:
+        kinds = [PLAIN] if twin is None else [PLAIN, twin]
+        variants = [(mode, kind) for mode in engines for kind in kinds]
+        for mode, kind in variants:
             if warmup_prompts:
                 run_once(engines[mode], requests[:warmup_prompts], tag=f"warmup-{mode}",
-                         progress=progress, structured=so)
+                         progress=progress, kind=kind)
         for rep in range(repeats):
-            for mode, so in variants if rep % 2 == 0 else variants[::-1]:
-                name = mode + (STRUCTURED_SUFFIX if so is not None else "")
+            for mode, kind in variants if rep % 2 == 0 else variants[::-1]:
+                name = mode + kind.suffix
                 engines[mode].reset_prefix_cache()  # every repetition starts cold
                 result = run_once(engines[mode], requests, tag=f"{name}-{rep}",
-                                  progress=progress, structured=so)
+                                  progress=progress, kind=kind)
                 runs.append({"mode": name, "repeat": rep, **result})
     finally:
         for engine in engines.values():
@@ -264,15 +294,11 @@ SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_kv_bytes_in_use", "kv_useful_fraction", "preemptions", "map_stall_s")
 
 
-PREFIX_SUFFIX = "+prefix"  # name suffix of the prefix-caching twin (--compare-prefix-caching)
-STRUCTURED_SUFFIX = "+json"  # name of the constrained runs (--compare-structured-outputs)
-TWINS = {"prefix": PREFIX_SUFFIX, "structured": STRUCTURED_SUFFIX}
-
-
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-mode medians; with both modes, the virtual/paged ratio per repetition; with prefix
     caching twins (``<mode>+prefix``), the caching on/off ratio per mode and repetition; with
-    constrained runs (``<mode>+json``), the constrained/plain ratio likewise."""
+    constrained runs (``<mode>+json``) or sampled ones (``<mode>+sampled``), their ratio to the
+    plain runs likewise."""
     summary: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         mine = [r for r in runs if r["mode"] == mode]
