@@ -176,16 +176,20 @@ def test_applied_changes_keep_every_manager_identical(kv_mode: str) -> None:
 
 # -- whole engines -------------------------------------------------------------------------------
 def _config(model: Path, kv_mode: str, tp: int, *, tokens: int = 2048,
-            **kw: object) -> EngineConfig:
-    """The same geometry at every tp: ``tokens`` of KV in 32-token pages (all-layers layout)
-    or 16-token blocks. A rank holds 1/tp of the KV heads (or a copy of a scarce one), so its
-    bytes per token, page size and memory scale with that."""
-    per_token = shard_config(load_model_config(model), 0, tp).kv_spec().bytes_per_token
+            kv_cache_dtype: str = "auto", page_tokens: int = 32, **kw: object) -> EngineConfig:
+    """The same geometry at every tp: ``tokens`` of KV in ``page_tokens``-token pages
+    (all-layers layout; whole OS pages at every tp) or the device's blocks. A rank holds 1/tp of the KV heads (or a copy of a scarce one), so its
+    bytes per token (in ``kv_cache_dtype``, an int8 cache's scales included), page size and
+    memory scale with that."""
+    spec = shard_config(load_model_config(model), 0, tp).kv_spec(
+        "int8" if kv_cache_dtype == "int8" else torch.float32)
+    per_token = spec.bytes_per_token
     return EngineConfig(model=str(model), tokenizer=str(resolve_model(None, progress=False)),
                         kv_mode=kv_mode, tensor_parallel_size=tp, enforce_eager=True,
                         max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                         kv_cache_memory=tokens * per_token, kv_layout="all-layers",
-                        page_size=32 * per_token, **kw)  # type: ignore[arg-type]
+                        page_size=page_tokens * per_token, kv_cache_dtype=kv_cache_dtype,
+                        **kw)  # type: ignore[arg-type]
 
 
 def _workload(engine: LLMEngine) -> dict[str, list[list[int]]]:
@@ -235,6 +239,22 @@ def test_two_ranks_equal_one(model: str, kv_mode: str, preemption: str,
     one, preempted_one = _run(_config(path, kv_mode, 1, tokens=320, preemption_mode=preemption))
     two, preempted_two = _run(_config(path, kv_mode, 2, tokens=320, preemption_mode=preemption))
     assert preempted_one > 0 and preempted_two == preempted_one
+    assert two == one
+    assert "aborted" in one and len(one["n2"]) == 2 and len(one["long"][0]) == 12
+
+
+@pytest.mark.parametrize("kv_mode", ["virtual", "paged"])
+def test_two_ranks_equal_one_with_an_int8_cache(kv_mode: str, gqa_model: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int8 cache (values and their scales) split over 2 ranks gives 1 rank's greedy tokens
+    through the same prefix hits, fork and abort; VMKV_TP_CHECK compares the ranks' KV managers
+    after every step. (Whole OS pages of 80-byte tokens take 256 tokens, more than any request
+    here grows to, so nothing is preempted: both ranks must agree on that too.)"""
+    monkeypatch.setenv("VMKV_TP_CHECK", "1")
+    int8 = {"tokens": 768, "kv_cache_dtype": "int8", "page_tokens": 256}
+    one, preempted_one = _run(_config(gqa_model, kv_mode, 1, **int8))
+    two, preempted_two = _run(_config(gqa_model, kv_mode, 2, **int8))
+    assert preempted_two == preempted_one
     assert two == one
     assert "aborted" in one and len(one["n2"]) == 2 and len(one["long"][0]) == 12
 
