@@ -190,7 +190,7 @@ def main() -> int:
     # OpenVINO GenAI's own prompt-lookup sample (samples/python/text_generation/
     # prompt_lookup_decoding_lm.py): 5 candidates a step, n-grams of up to 3 tokens; a comma
     # list runs each setting in the rotation and compares against the fastest
-    ap.add_argument("--openvino-num-assistant-tokens", default="5",
+    ap.add_argument("--openvino-num-assistant-tokens", type=_int_list, default=[5],
                     help="candidates a step, or a comma list of settings to run (e.g. 5,8)")
     ap.add_argument("--openvino-max-ngram-size", type=int, default=3)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -217,8 +217,7 @@ def main() -> int:
         files[name] = out / f"{name}.json"
         files[name].write_text(json.dumps(rows[name]))
     variants = {"off": "off", "spec": args.spec}
-    openvino_ks = ([int(k) for k in args.openvino_num_assistant_tokens.split(",")]
-                   if args.openvino else [])
+    openvino_ks = args.openvino_num_assistant_tokens if args.openvino else []
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
@@ -245,6 +244,11 @@ def main() -> int:
     print(json.dumps(result["summary"], indent=1))
     plot(result, out / "spec_decode.png")
     return 0
+
+
+def _int_list(text: str) -> list[int]:
+    """``"5,8"`` -> ``[5, 8]`` (argparse reports a ValueError as a usage error)."""
+    return [int(k) for k in text.split(",")]
 
 
 def openvino_variant(k: int, ks: list[int]) -> str:
@@ -300,9 +304,7 @@ def summarise(runs: list[dict[str, Any]], names: list[str], args: argparse.Names
                          "random_sampled_temperature": args.temperature,
                          "num_prompts": args.num_prompts, "repeats": args.repeats,
                          "max_output": args.max_output, "dtype": runs[0].get("dtype"),
-                         "openvino": ({"num_assistant_tokens": [
-                                           int(k) for k in
-                                           args.openvino_num_assistant_tokens.split(",")],
+                         "openvino": ({"num_assistant_tokens": args.openvino_num_assistant_tokens,
                                        "max_ngram_size": args.openvino_max_ngram_size,
                                        "model": args.openvino_model}
                                       if args.openvino else None)},

@@ -49,7 +49,7 @@ def test_openvino_at_several_settings_is_compared_at_its_fastest() -> None:
     assert spec_decode.openvino_variant(5, [5]) == "openvino-prompt-lookup"
     args = argparse.Namespace(spec="{}", kv_mode="virtual", grounded_stop="eos", temperature=0.9,
                               num_prompts=1, repeats=1, max_output=8, openvino=True,
-                              openvino_num_assistant_tokens="5,8", openvino_max_ngram_size=3,
+                              openvino_num_assistant_tokens=[5, 8], openvino_max_ngram_size=3,
                               openvino_model="m")
     rows = {"grounded": [{"output_len": 3}]}
     summary = spec_decode.summarise([run("off", 10.0), run("spec", 4.0), run(names[0], 6.0),

@@ -178,12 +178,11 @@ def test_applied_changes_keep_every_manager_identical(kv_mode: str) -> None:
 def _config(model: Path, kv_mode: str, tp: int, *, tokens: int = 2048,
             kv_cache_dtype: str = "auto", page_tokens: int = 32, **kw: object) -> EngineConfig:
     """The same geometry at every tp: ``tokens`` of KV in ``page_tokens``-token pages
-    (all-layers layout; whole OS pages at every tp) or the device's blocks. A rank holds 1/tp of the KV heads (or a copy of a scarce one), so its
-    bytes per token (in ``kv_cache_dtype``, an int8 cache's scales included), page size and
-    memory scale with that."""
-    spec = shard_config(load_model_config(model), 0, tp).kv_spec(
-        "int8" if kv_cache_dtype == "int8" else torch.float32)
-    per_token = spec.bytes_per_token
+    (all-layers layout; whole OS pages at every tp) or the device's blocks. A rank holds 1/tp
+    of the KV heads (or a copy of a scarce one), so its bytes per token (in ``kv_cache_dtype``,
+    an int8 cache's scales included), page size and memory scale with that."""
+    per_token = shard_config(load_model_config(model), 0, tp).kv_spec(
+        "int8" if kv_cache_dtype == "int8" else torch.float32).bytes_per_token
     return EngineConfig(model=str(model), tokenizer=str(resolve_model(None, progress=False)),
                         kv_mode=kv_mode, tensor_parallel_size=tp, enforce_eager=True,
                         max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
