@@ -42,6 +42,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHE_HASHES = ("sha256", "builtin")
 LINEAR_BACKENDS = ("auto", "torch", "mkl", "onednn", "brgemm")  # vmkv.models.linear
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8")  # vmkv.models.quant
+LM_HEAD_DTYPES = ("auto", "int8")  # vmkv.models.quant.int8_head
 #: paged ``block_size`` unless set: vLLM-cpu's on the CPU (small blocks scatter under churn),
 #: vLLM's on CUDA
 CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE = 128, 16
@@ -154,6 +155,12 @@ class EngineConfig:
         "(docs/models.md); default: "
         "$VMKV_QUANTIZATION, else none (until gguf also wins on prefill and batched decode)",
         choices=QUANTIZATIONS, env=envs.VMKV_QUANTIZATION)
+    lm_head_dtype: str = option(
+        "auto", "the LM head's products: auto (the model's dtype) or int8 (CPU: the head "
+        "quantized per vocabulary row, activations per token, u8 x s8 products on AVX512-VNNI "
+        "or AMX-INT8, each row's 16 largest logits then rescored from the dense head: greedy "
+        "tokens stay the dense head's wherever its winner is among them; docs/models.md)",
+        choices=LM_HEAD_DTYPES)
     enforce_eager: bool = option(
         False, "always run the model eagerly: no torch.compile of the decoder layers on the "
         "CPU, no CUDA graphs on a GPU (vLLM's flag; it overrides --compile-layers and "

@@ -22,6 +22,8 @@ class WorkerSettings:
         kv_cache_dtype: the KV cache's dtype, resolved (the model's, or ``int8``).
         linear_backend: the CPU linears (``vmkv.models.linear``).
         quantization: the weights' format (``vmkv.models.quant``; ``auto`` resolved at load).
+        lm_head_dtype: the LM head's products (``auto`` or ``int8``,
+            ``vmkv.models.quant.int8_head``).
         tensor_parallel_size: ranks the model is sharded over.
         max_model_len: longest prompt + output asked for (None: the model's limit).
         max_num_seqs: most sequences at once (virtual slots, the largest graph bucket).
@@ -39,6 +41,7 @@ class WorkerSettings:
     kv_cache_dtype: str
     linear_backend: str
     quantization: str
+    lm_head_dtype: str
     tensor_parallel_size: int
     max_model_len: int | None
     max_num_seqs: int
@@ -62,6 +65,7 @@ class WorkerSettings:
             model_path=model_path, device=config.device, dtype=config.torch_dtype_name,
             kv_cache_dtype=config.kv_cache_dtype_name,
             linear_backend=config.linear_backend, quantization=str(config.quantization),
+            lm_head_dtype=config.lm_head_dtype,
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             cache=config.cache, attention_backend=str(config.attention_backend),

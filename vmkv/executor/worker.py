@@ -65,7 +65,7 @@ class Worker:
         self.model, self.model_config = load_model(
             settings.model_path, dtype, device, linear_backend=settings.linear_backend,
             tensor_parallel=(rank, settings.tensor_parallel_size),
-            quantization=settings.quantization)
+            quantization=settings.quantization, lm_head_dtype=settings.lm_head_dtype)
         self.max_model_len = resolve_max_model_len(settings.max_model_len,
                                                    self.model_config.max_model_len)
         kv_spec = self.model.config.kv_spec(settings.kv_cache_dtype)

@@ -41,6 +41,7 @@ from vmkv.config import LINEAR_BACKENDS
 from vmkv.cpu_info import cpu_vendor
 from vmkv.kernels import cpu_bf16
 from vmkv.models.huge_pages import huge_page_copies
+from vmkv.models.quant.int8_head import Int8Head
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,9 @@ def _resolve_bf16(backend: str) -> str:
 
 def writes_float32_into(linear: nn.Module) -> bool:
     """Whether ``linear(x, out=buffer)`` writes its float32 result into ``buffer``: a brgemm
-    :class:`PackedLinear` with float32 output (the LM head's)."""
+    :class:`PackedLinear` with float32 output (the LM head's), or the int8 LM head."""
+    if isinstance(linear, Int8Head):
+        return True
     return (isinstance(linear, PackedLinear) and linear.backend == "brgemm"
             and linear.out_dtype == torch.float32)
 

@@ -28,6 +28,7 @@ from vmkv.models.linear import pack_linears
 from vmkv.models.llama import LlamaModel
 from vmkv.models.quant.gguf_weights import GGUFWeights, load_gguf_model, native_unavailable
 from vmkv.models.quant.int8 import INT8_MODES, quantize_linears
+from vmkv.models.quant.int8_head import quantize_head
 from vmkv.models.sharding import shard_config, shard_state
 
 logger = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ def hf_to_vmkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", *, linear_backend: str = "auto",
-               tensor_parallel: tuple[int, int] = (0, 1), quantization: str = "none"
-               ) -> tuple[LlamaModel, ModelConfig]:
+               tensor_parallel: tuple[int, int] = (0, 1), quantization: str = "none",
+               lm_head_dtype: str = "auto") -> tuple[LlamaModel, ModelConfig]:
     """Load the model in folder ``path`` in ``dtype`` (None: the checkpoint's, else float32).
 
     ``linear_backend`` (float32 on CPU): "mkl"/"onednn" pack the linear layers' weights once
@@ -133,8 +134,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     ``dtype``), "gguf" (a GGUF model's linears in the file's own block formats,
     :mod:`vmkv.models.quant.gguf_weights`; ValueError where that cannot run), "auto" (gguf
     where it can run, else none), "int8" or "w8a8" (the decoder linears quantized per output
-    channel at load, :mod:`vmkv.models.quant.int8`). Returns the model and the whole model's
-    config
+    channel at load, :mod:`vmkv.models.quant.int8`). ``lm_head_dtype``: "auto" (the head in
+    ``dtype``) or "int8" (:mod:`vmkv.models.quant.int8_head`). Returns the model and the whole
+    model's config
     (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
@@ -147,6 +149,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if quantization in ("auto", "gguf"):
         model = _gguf_native(path, cfg, dtype, device, tensor_parallel, quantization)
         if model is not None:
+            _quantize_head(model, lm_head_dtype, device)
             pack_linears(model, linear_backend)  # any linear the file holds in another format
             return model, cfg
     elif quantization not in ("none", *INT8_MODES):
@@ -171,8 +174,23 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if quantization in INT8_MODES:
         logger.info("quantized %d decoder linears to %s", quantize_linears(model, quantization),
                     quantization)
+    _quantize_head(model, lm_head_dtype, device)
     pack_linears(model, linear_backend)
     return model, cfg
+
+
+def _quantize_head(model: LlamaModel, lm_head_dtype: str, device: torch.device) -> None:
+    """The LM head as ``lm_head_dtype`` asks (ValueError where it cannot run)."""
+    if lm_head_dtype == "auto":
+        return
+    if lm_head_dtype != "int8":
+        raise ValueError(f"lm_head_dtype must be auto or int8, got {lm_head_dtype!r}")
+    if device.type != "cpu":
+        raise ValueError(f"--lm-head-dtype int8 runs on the CPU (u8 x s8 products), not on "
+                         f"{device.type}")
+    head = quantize_head(model)
+    logger.info("LM head in int8 (%d x %d, %.1f MB beside the dense rows it rescores from)",
+                head.out_features, head.in_features, head.nbytes / 1e6)
 
 
 def _gguf_native(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
