@@ -27,8 +27,9 @@ NEEDS_NVCC = "needs the CUDA toolkit (nvcc), a GPU-only package"
 NEEDS_X86 = "needs an x86-64 CPU (torch has MKL's packed GEMM only there)"
 NEEDS_BF16 = "needs a CPU with bfloat16 hardware (amx_bf16 or avx512_bf16)"
 NEEDS_AVX512 = "needs an AVX-512 CPU (float32 brgemm is used only there)"
+NEEDS_VNNI = "needs a CPU with unsaturated int8 products (avx512_vnni or amx_int8)"
 #: the skip reasons the suite allows (a reason may add detail after one of them)
-REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86, NEEDS_BF16, NEEDS_AVX512)
+REASONS = (NEEDS_CUDA, CPU_ONLY, NEEDS_NVCC, NEEDS_X86, NEEDS_BF16, NEEDS_AVX512, NEEDS_VNNI)
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason=NEEDS_CUDA)
 cpu_only = pytest.mark.skipif(CUDA, reason=CPU_ONLY)

