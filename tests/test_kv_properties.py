@@ -142,3 +142,34 @@ TestBothModesAllLayers = BothModes.TestCase
 TestBothModesAllLayers.settings = _SETTINGS
 TestBothModesPerLayer = BothModesPerLayer.TestCase
 TestBothModesPerLayer.settings = _SETTINGS
+
+
+def test_a_copy_on_write_takes_the_slots_own_spare_tail() -> None:
+    """Found by the machine above: every free page mapped (a slot that a 113-token request
+    left keeps its 8 pages for the next one), a 1-token request in that slot forked, then grown
+    by a token: the copy of its shared page must come from its own spare tail, as paged mode
+    takes a free block."""
+    m = BothModes()
+
+    def rule(name: str, *args: object) -> str:
+        return BothModes.__dict__[name].hypothesis_stateful_rule.function(m, *args)
+
+    r0, r1, r2 = rule("add", 9), rule("add", 17), rule("add", 37)
+    rule("grow", r0, 8)
+    rule("grow", r2, 36)
+    rule("grow", r2, 40)
+    rule("free", r2)
+    r5, r6 = rule("add", 1), rule("add", 9)
+    rule("grow", r6, 40)
+    rule("add", 0)
+    rule("add", 49)
+    rule("grow", rule("add", 0), 1)
+    rule("fork", r5)
+    rule("add", 0)
+    rule("add", 33)
+    rule("add", 0)
+    assert m.virtual.pool.num_free == 0 and m.paged.pool.num_in_use < NUM_BLOCKS
+    rule("grow", r5, 1)
+    m.accounting_is_exact_and_equal()
+    m.histories_survive_copy_on_write()
+    m.teardown()

@@ -140,6 +140,12 @@ def table(state: dict[str, Any]) -> str:
                 lines.append(f"| {mode}-{p} / best {p} peer | "
                              + " | ".join("-" if c is None else f"**{c:.2f}x**" for c in cells)
                              + " |")
+    for mode in compare.MODES:
+        best = [summaries[m].get("vmkv_best_over_best_peer", {}).get(mode) for m in mixes]
+        if any(best):
+            lines.append(f"| {mode} at its best / best peer at its best | " + " | ".join(
+                "-" if b is None else f"**{b['ratio']:.2f}x** ({b['vmkv']} / {b['peer']})"
+                for b in best) + " |")
     return "\n".join(lines)
 
 

@@ -416,7 +416,11 @@ def draw(ax: Any, summary: dict[str, Any], title: str) -> None:
                   fontsize=8)
     ratios = "; ".join(f"{p}: " + ", ".join(f"{m} {r:.2f}x" for m, r in by_mode.items())
                        for p, by_mode in summary["vmkv_over_best_peer"].items())
-    ax.set_title(f"{title}\nvs best peer: {ratios}" if ratios else title, fontsize=9)
+    best = ", ".join(f"{m} {b['ratio']:.2f}x" for m, b in
+                     summary.get("vmkv_best_over_best_peer", {}).items())
+    lines = [title, *([f"vs best peer: {ratios}"] if ratios else []),
+             *([f"each at its best: {best}"] if best else [])]
+    ax.set_title("\n".join(lines), fontsize=9)
     ax.set_ylabel("output tokens/s (median; runs as dots)", fontsize=8)
     ax.legend(fontsize=8)
 

@@ -56,8 +56,11 @@ class SlotAllocator:
             state.unmap_tail(slot, slots.mapped[slot] - idle.first_cached(slot))
         if need > pool.num_free:
             idle.reclaim(need - pool.num_free, exclude=slot)
-            if need > pool.num_free:
-                return False
+        if need > pool.num_free and cow:  # the copies may take the slot's own spare tail
+            spare = self._room.own_spare(request_id, num_new_tokens)
+            state.unmap_tail(slot, min(spare, -(-(need - pool.num_free) // regions)))
+        if need > pool.num_free:
+            return False
         mapped = slots.mapped[slot]
         if grow:
             extra = min(self.premap_pages, state.layout.slot_pages - mapped - grow,

@@ -71,9 +71,21 @@ class SlotRoom(KVRoom):
     def free_units(self) -> int:
         return self._state.pool.num_free + self._idle.reclaimable(exclude=-1)
 
+    def own_spare(self, request_id: str, num_new_tokens: int) -> int:
+        """Pages (per region) of a running request's slot past what ``num_new_tokens`` more
+        need: a copy-on-write may take them back when nothing else is free."""
+        state = self._state
+        slot = state.slots.slot_of.get(request_id)
+        if slot is None:
+            return 0
+        new_len = self._tokens.get(request_id, 0) + num_new_tokens
+        return max(0, state.slots.mapped[slot] - state.layout.pages_for(new_len))
+
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         slot, grow, cow = self.plan(request_id, num_new_tokens)
         if slot is None:
             return False
-        need = (grow + len(cow)) * len(self._state.regions)
-        return need <= self._state.pool.num_free + self._idle.reclaimable(slot)
+        regions = len(self._state.regions)
+        need = (grow + len(cow)) * regions
+        spare = self.own_spare(request_id, num_new_tokens) * regions if cow else 0
+        return need <= self._state.pool.num_free + self._idle.reclaimable(slot) + spare
