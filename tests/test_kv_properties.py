@@ -154,7 +154,7 @@ def test_a_copy_on_write_takes_the_slots_own_spare_tail() -> None:
     def rule(name: str, *args: object) -> str:
         return BothModes.__dict__[name].hypothesis_stateful_rule.function(m, *args)
 
-    r0, r1, r2 = rule("add", 9), rule("add", 17), rule("add", 37)
+    r0, _, r2 = rule("add", 9), rule("add", 17), rule("add", 37)
     rule("grow", r0, 8)
     rule("grow", r2, 36)
     rule("grow", r2, 40)

@@ -19,8 +19,9 @@ hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvin
 exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
 own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
-int8``: the LM head's products in int8, each row's leading logits rescored). Per precision the best peer is compared with vmkv at that precision; across all of
-them, vmkv at its best with the best peer at its best (``vmkv_best_over_best_peer``).
+int8``: the LM head's products in int8, each row's leading logits rescored). Per precision
+the best peer is compared with vmkv at that precision; across all of them, vmkv at its best
+with the best peer at its best (``vmkv_best_over_best_peer``).
 
 Every repetition starts each engine in a new process, in a rotating order (a b c, b c a, ...) so
 slow drift of the machine does not favour one engine. Every engine gets the same threads, the

@@ -143,6 +143,7 @@ def head(x: torch.Tensor, args: HeadArgs, out: torch.Tensor, candidates: int) ->
                             int(x.dtype == torch.bfloat16), x.shape[0], out.data_ptr(),
                             out.stride(0), candidates)
     if rc:
-        raise ValueError(f"the int8 head kernel failed ({'bad arguments' if rc == 1 else 'the ukernel raised'}): "
-                         f"x {tuple(x.shape)}, {candidates} candidates")
+        why = "bad arguments" if rc == 1 else "the ukernel raised"
+        raise ValueError(f"the int8 head kernel failed ({why}): x {tuple(x.shape)}, "
+                         f"{candidates} candidates")
     return out
