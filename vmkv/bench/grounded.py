@@ -76,7 +76,7 @@ def _quote(rng: random.Random) -> tuple[str, str] | None:
     lines = rng.choice(paths).read_text().splitlines()
     if len(lines) < 40:
         return None
-    start = rng.randrange(0, len(lines) - 40)
+    start = rng.randrange(0, len(lines) - 39)  # a 40-line file: its one chunk
     chunk = lines[start : start + 40]
     words = [w for w in set(re.findall(r"\b[a-z_]{5,}\b", "\n".join(chunk)))
              if 2 <= sum(w in line for line in chunk) <= 5]
