@@ -36,10 +36,11 @@ FALLBACK = "bfloat16 linears run through oneDNN, the decoder layers as torch mod
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 #: ``ns`` counters of :class:`GemmArgs` (profiling): products (with their epilogues), the rest
 GEMM_NS, ELEMENTWISE_NS = 0, 1
-#: torch's exports of oneDNN's brgemm ukernel (C++ names, BFloat16 and float overloads) and
-#: its release
+#: torch's exports of oneDNN's brgemm ukernel (C++ names: the BFloat16 and float overloads, and
+#: under uint8 the u8 x s8 -> s32 one the int8 LM head calls) and its release
 _BRGEMM = {torch.bfloat16: "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb",
-           torch.float32: "_ZN2at6native7cpublas6brgemmEllllllbPKfS3_Pfb"}
+           torch.float32: "_ZN2at6native7cpublas6brgemmEllllllbPKfS3_Pfb",
+           torch.uint8: "_ZN2at6native7cpublas6brgemmEllllllbPKhPKaPib"}
 _RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 #: the C entry points' prefix by dtype
 _PREFIX = {torch.bfloat16: "vmkv_bf16", torch.float32: "vmkv_f32"}
@@ -84,8 +85,8 @@ class ShapeArgs(ctypes.Structure):
 
 @functools.cache
 def ukernel(dtype: torch.dtype = torch.bfloat16) -> tuple[int, int] | None:
-    """Addresses of torch's brgemm (``dtype``'s overload) and brgemm_release, or None where it
-    has none."""
+    """Addresses of torch's brgemm (``dtype``'s overload; uint8: u8 x s8) and brgemm_release,
+    or None where it has none."""
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         brgemm, release = getattr(lib, _BRGEMM[dtype]), getattr(lib, _RELEASE)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from vmkv.cpu_info import cpu_features
+from vmkv.kernels import cpu_bf16
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
 SOURCE = CSRC / "cpu_int8_head.cpp"
@@ -31,9 +31,6 @@ FALLBACK = "no int8 LM head (--lm-head-dtype int8 is refused)"
 BLOCK_N = 64
 #: the CPU flags under which the ukernel's u8 x s8 products do not saturate
 INT8_FLAGS = ("avx512_vnni", "amx_int8")
-#: torch's export of oneDNN's brgemm ukernel, u8 x s8 -> s32 overload, and its release
-_BRGEMM_U8S8 = "_ZN2at6native7cpublas6brgemmEllllllbPKhPKaPib"
-_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -76,14 +73,8 @@ def pack(weight: torch.Tensor) -> PackedHead:
     return PackedHead(packed, comp, full_scale, n, k)
 
 
-@functools.cache
 def _ukernel() -> tuple[int, int] | None:
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        brgemm, release = getattr(lib, _BRGEMM_U8S8), getattr(lib, _RELEASE)
-    except (OSError, AttributeError):
-        return None
-    return (ctypes.cast(brgemm, _PTR).value or 0, ctypes.cast(release, _PTR).value or 0)
+    return cpu_bf16.ukernel(torch.uint8)
 
 
 @functools.cache
