@@ -1,5 +1,6 @@
-"""Top-1 agreement and perplexity of the int8 LM head (``--lm-head-dtype int8``) against the
-dense head, on real text.
+"""Top-1 agreement and perplexity of the int8 LM head against the dense head, on real text.
+
+The int8 head is ``--lm-head-dtype int8``.
 
 transformers gives the model's final hidden states (bfloat16) for teacher-forced chunks of the
 project's own docs; vmkv's kernel (``vmkv.kernels.cpu_int8_head``) turns them into logits twice,
