@@ -73,10 +73,6 @@ def pack(weight: torch.Tensor) -> PackedHead:
     return PackedHead(packed, comp, full_scale, n, k)
 
 
-def _ukernel() -> tuple[int, int] | None:
-    return cpu_bf16.ukernel(torch.uint8)
-
-
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     lib = load_cpu_library(SOURCE, CPU_FLAGS, LIBRARY, FALLBACK)
@@ -95,7 +91,7 @@ def unavailable_reason() -> str | None:
     if not flags & set(INT8_FLAGS):
         return (f"this CPU has neither of {', '.join(INT8_FLAGS)} (u8 x s8 products without "
                 f"saturation)")
-    if not torch.backends.mkldnn.is_available() or _ukernel() is None:
+    if not torch.backends.mkldnn.is_available() or cpu_bf16.ukernel(torch.uint8) is None:
         return "this torch does not export oneDNN's int8 brgemm ukernel (at::native::cpublas)"
     if _lib() is None:
         return "the int8 head's kernel library did not build (see the log)"
@@ -110,7 +106,7 @@ def head_args(head: PackedHead, dense: torch.Tensor) -> HeadArgs:
                          f"match the int8 head [{head.out_features}, {head.in_features}]")
     if dense.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the int8 head rescores from float32 or bfloat16 rows, got {dense.dtype}")
-    ukernel = _ukernel()
+    ukernel = cpu_bf16.ukernel(torch.uint8)
     if ukernel is None:
         raise ValueError(unavailable_reason() or "no int8 brgemm ukernel")
     return HeadArgs(head.packed.data_ptr(), head.comp.data_ptr(), head.scale.data_ptr(),

@@ -56,7 +56,7 @@ class SlotAllocator:
             state.unmap_tail(slot, slots.mapped[slot] - idle.first_cached(slot))
         if need > pool.num_free:
             idle.reclaim(need - pool.num_free, exclude=slot)
-        if need > pool.num_free and cow:  # the copies may take the slot's own spare tail
+        if need > pool.num_free:  # copies (no growth) may take the slot's own spare tail
             spare = self._room.own_spare(request_id, num_new_tokens)
             state.unmap_tail(slot, min(spare, -(-(need - pool.num_free) // regions)))
         if need > pool.num_free:

@@ -87,5 +87,5 @@ class SlotRoom(KVRoom):
             return False
         regions = len(self._state.regions)
         need = (grow + len(cow)) * regions
-        spare = self.own_spare(request_id, num_new_tokens) * regions if cow else 0
+        spare = self.own_spare(request_id, num_new_tokens) * regions  # none where it grows
         return need <= self._state.pool.num_free + self._idle.reclaimable(slot) + spare

@@ -45,7 +45,6 @@ class Int8Head(nn.Module):
         self.register_buffer("packed", packed.packed, persistent=False)
         self.register_buffer("comp", packed.comp, persistent=False)
         self.register_buffer("scale", packed.scale, persistent=False)
-        self._packed = packed
         self._args = cpu_int8_head.head_args(packed, self.dense)
 
     @property
