@@ -60,6 +60,12 @@ def test_every_part_has_numbers_and_the_json_the_environment(study: Path) -> Non
     tax = doc["parts"]["tax"]["summary"]["variants"]
     assert tax["paged"]["map_calls"] == 0 and tax["virtual"]["map_calls"] > 0
     assert all(v["minor_faults_per_step"] >= 0 for v in tax.values())
+    kv = doc["parts"]["kv_dtype"]["summary"]
+    assert kv["storage"] == {"auto": "float32", "int8": "int8"}  # smoke: the float32 model
+    assert kv["tokens_ratio"] >= 1.9 * 2  # float32 K/V against int8 rows with their scales
+    assert {n: v["map_calls_per_token"] == 0 for n, v in kv["engines"].items()
+            if n.startswith("paged")} == {"paged auto": True, "paged int8": True}
+    assert set(kv["decode"]) == set(kv["engines"]) and 0 < kv["accuracy"]["agreement_pct"] <= 100
 
 
 def test_the_report_answers_first_and_shows_each_figure_with_question_numbers_command(
@@ -70,6 +76,8 @@ def test_the_report_answers_first_and_shows_each_figure_with_question_numbers_co
                      r"machine(, by [\d.]+ %)?\*\*", first_screen)
     assert "Why:" in first_screen and "**The virtual tax**" in first_screen
     assert "**In sum**" in first_screen and _doc(study)["answer"]["tax_pct"] >= 0
+    assert "**The KV dtype**: `--kv-cache-dtype auto` keeps the model's dtype (float32" in \
+        first_screen
     headings = re.findall(r"^## (\d)\. (.+)$", md, re.M)
     assert [int(n) for n, _ in headings] == list(range(1, len(PART_NAMES) + 1))
     figures = md.split("\n### ")[1:]

@@ -247,7 +247,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=SMOLLM2_135M[0])
     p.add_argument("--kv-heads", type=int, default=SMOLLM2_135M[1])
     p.add_argument("--head-dim", type=int, default=SMOLLM2_135M[2])
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"],
+                   default="float32", help="the KV dtype (int8: --kv-cache-dtype int8's rows)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_bench_memory)
 

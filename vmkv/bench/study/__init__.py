@@ -13,6 +13,9 @@ Parts, each answering its questions with the existing benches' entry points:
     elastic       OS-visible memory through bursts and idle gaps (vmkv.bench.elastic)
     hybrid        sliding-window layers: resident KV by layer group, map/unmap calls, requests
                   at once in a fixed budget, against a uniform layout (the real managers)
+    kv_dtype      --kv-cache-dtype auto vs int8: bytes and tokens per page and block, useful
+                  memory on the mixes, speed and map calls on decode-heavy, decode step parts,
+                  teacher-forced accuracy; the first screen says what auto picks and why
     gpu           benchmarks/gpu/check.sh's results where they exist
 
 Each part module has ``NAME``, ``TITLE``, ``tasks(scale, raw)`` (the measurements, each filling
@@ -30,6 +33,7 @@ from vmkv.bench.study import (
     end_to_end,
     gpu,
     hybrid,
+    kv_dtype,
     mapping,
     memory,
     tax,
@@ -37,5 +41,5 @@ from vmkv.bench.study import (
 )
 
 PARTS: tuple[ModuleType, ...] = (memory, translation, tax, mapping, end_to_end, elastic, hybrid,
-                                 gpu)
+                                 kv_dtype, gpu)
 PART_NAMES = tuple(p.NAME for p in PARTS)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vmkv.bench.study import PARTS
+from vmkv.bench.study import PARTS, kv_dtype
 from vmkv.bench.study.figure import Figure, Section
 from vmkv.bench.study.fmt import num
 
@@ -109,6 +109,8 @@ def answer(doc: dict[str, Any]) -> list[str]:
         why.append(_sum_sentence(doc["answer"]))
     if why:
         lines += ["", "Why:", ""] + [f"- {w}" for w in why]
+    if "kv_dtype" in parts:
+        lines += ["", kv_dtype.auto_sentence(parts["kv_dtype"]["summary"])]
     return lines
 
 

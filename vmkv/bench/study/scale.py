@@ -103,7 +103,7 @@ FULL = Scale(
     elastic_bursts=(48, 16, 32), elastic_idle_s=20.0, elastic_max_tokens=64,
     elastic_words=(200, 600),
     expected_min=(("memory", 0.5), ("translation", 5), ("tax", 8), ("mapping", 1.5),
-                  ("end_to_end", 18), ("elastic", 4), ("gpu", 0)),
+                  ("end_to_end", 18), ("elastic", 4), ("kv_dtype", 12), ("gpu", 0)),
 )
 
 QUICK = Scale(
@@ -122,7 +122,7 @@ QUICK = Scale(
     replay_batch=16, replay_steps=64, replay_compute_ms=20.0,
     elastic_bursts=(16, 8), elastic_idle_s=4.0, elastic_max_tokens=16, elastic_words=(50, 150),
     expected_min=(("memory", 0.3), ("translation", 0.3), ("tax", 1), ("mapping", 0.1),
-                  ("end_to_end", 3.5), ("elastic", 0.7), ("gpu", 0)),
+                  ("end_to_end", 3.5), ("elastic", 0.7), ("kv_dtype", 2), ("gpu", 0)),
 )
 
 SMOKE = Scale(
