@@ -138,8 +138,7 @@ def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:
             "pages_per_token": _per_token(mine, "pages")}
     for name, result in raw.get("profile", {}).items():
         phase = next(p for p in result["phases"] if p["phase"] == "decode")
-        out["decode"][name] = {"step_ms": phase["step_ms"], "attention_ms": phase["attention"],
-                               "kv_write_ms": phase["kv_write"]}
+        out["decode"][name] = {"step_ms": phase["step_ms"], "attention_ms": phase["attention"]}
     e, d = out["engines"], out["decode"]
     out["speedup"] = {m: e[f"{m} int8"]["output_tokens_per_s"]
                       / e[f"{m} auto"]["output_tokens_per_s"] for m in MODES}
@@ -221,18 +220,18 @@ def section(doc: dict[str, Any], study: dict[str, Any]) -> Section:
                  "virtual mode map?",
         columns=["engine", "out tok/s", "step ms", "map+unmap calls per generated token",
                  "pages mapped+unmapped per generated token", "decode step ms (profile)",
-                 "decode attention ms (profile)", "K/V write ms (profile)"],
+                 "decode attention ms (profile)"],
         rows=[[n, v["output_tokens_per_s"], v["step_ms"], v["map_calls_per_token"],
                v["pages_per_token"], *(s["decode"].get(n, {}).get(k) for k in (
-                   "step_ms", "attention_ms", "kv_write_ms"))] for n, v in s["engines"].items()],
+                   "step_ms", "attention_ms"))] for n, v in s["engines"].items()],
         command=cmd["engines"], draw=_draw(s),
         notes=[f"{raw['model_dtype']} model, {num(w['num_requests'])} requests "
                f"({num(w['input_tokens'])} prompt, {num(w['output_tokens'])} output tokens), "
                "medians of alternated repetitions; the profile's decode step: "
                f"{num(raw['profile_batch'])} requests at "
-               f"{num(raw['profile_context'])} tokens of context. A growth maps a number of "
-               "tokens, not of pages, so calls per token stay while pages per token follow "
-               "the bytes per token."])
+               f"{num(raw['profile_context'])} tokens of context. Virtual mode maps pages "
+               "only when a request outgrows what its slot already holds (idle slots are "
+               "mapped at start-up), so a smaller token maps less often."])
     acc = s["accuracy"]
     reading = [auto_sentence(s) + " int8 / auto output tokens/s: "
                + ", ".join(f"{m} {num(v)}x" for m, v in s["speedup"].items())

@@ -103,7 +103,7 @@ FULL = Scale(
     elastic_bursts=(48, 16, 32), elastic_idle_s=20.0, elastic_max_tokens=64,
     elastic_words=(200, 600),
     expected_min=(("memory", 0.5), ("translation", 5), ("tax", 8), ("mapping", 1.5),
-                  ("end_to_end", 18), ("elastic", 4), ("kv_dtype", 12), ("gpu", 0)),
+                  ("end_to_end", 18), ("elastic", 4), ("kv_dtype", 9), ("gpu", 0)),
 )
 
 QUICK = Scale(
