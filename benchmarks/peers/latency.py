@@ -56,10 +56,8 @@ def prompt_ids(n: int, vocab: int = 49152, seed: int = 0) -> list[int]:
 
 
 def run_vmkv(spec: str, prompt: list[int], output_len: int) -> dict[str, Any]:
-    """One request through vmkv's engine (``spec``: vmkv-QUANT[-DTYPE])."""
-    from vmkv.process_tuning import tune_process
-
-    tune_process()  # before torch loads (OpenMP's wait policy, as `vmkv serve` sets it)
+    """One request through vmkv's engine (``spec``: vmkv-QUANT[-DTYPE]); the process tuned
+    first (:func:`main`)."""
     from vmkv.config import EngineConfig
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.sampling_params import RequestOutputKind, SamplingParams
@@ -98,9 +96,6 @@ def run_vmkv(spec: str, prompt: list[int], output_len: int) -> dict[str, Any]:
 
 def run_read_bandwidth() -> dict[str, Any]:
     """The machine's read bandwidth, as ``vmkv bench profile`` measures it (bytes/s)."""
-    from vmkv.process_tuning import tune_process
-
-    tune_process()
     from vmkv.bench.profile import machine_rates
 
     return {"read_bytes_per_s": machine_rates("torch")["read_bytes_per_s"]}
@@ -217,6 +212,12 @@ def main() -> int:
                     help="leave the read-bandwidth runs (and the floors) out")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # one engine, in this (fresh) process
     args = ap.parse_args()
+    if args.run and args.run != "llama.cpp":
+        # before anything imports torch: OpenMP reads its variables once, when torch loads
+        # (vmkv's tuning, as `vmkv serve` sets it; the default model's path below loads torch)
+        from vmkv.process_tuning import tune_process
+
+        tune_process()
     prompt = prompt_ids(args.prompt_len)
     from_wheel = None
     if args.run or "llama.cpp" in args.engines:
