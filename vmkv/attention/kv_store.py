@@ -22,6 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+#: caches the Triton write quantizes into (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def store_index_copy(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
@@ -43,8 +45,10 @@ def store_triton(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    fp8 = k_flat.dtype in FP8_DTYPES  # rows of D fp8 values + a 2-byte scale, quantized here
+    row = (k.shape[1], k.shape[2] + 2) if fp8 else tuple(k.shape[1:])
     for name, x in (("k_flat", k_flat), ("v_flat", v_flat)):
-        if x.stride(-1) != 1 or x.shape[1:] != k.shape[1:] or x.dtype != k.dtype:
+        if x.stride(-1) != 1 or tuple(x.shape[1:]) != row or (x.dtype != k.dtype and not fp8):
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} (strides {x.stride()}) does "
                              f"not fit new rows {tuple(k.shape)} {k.dtype}")
     if rows.shape != (k.shape[0],):

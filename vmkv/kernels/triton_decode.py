@@ -73,6 +73,24 @@ def _index_base(Index, b, stride_index, PAGED: tl.constexpr):
         return tl.load(Index + b).to(tl.int64)
 
 
+@triton.jit
+def _fp8_values(x, FP8: tl.constexpr):
+    """An fp8 cache's value bytes (uint8) as their fp8 type: e4m3 (FP8 1) or e5m2 (FP8 2)."""
+    if FP8 == 1:
+        return x.to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e5, bitcast=True)
+
+
+@triton.jit
+def _row_scales(KV, rows, tok_mask, HEAD_DIM: tl.constexpr):
+    """Each row's float16 scale (the 2 bytes after its ``HEAD_DIM`` values, little-endian) as
+    float32 ``[BLOCK_N]``; 0 where masked."""
+    lo = tl.load(KV + rows + HEAD_DIM, mask=tok_mask, other=0).to(tl.uint16)
+    hi = tl.load(KV + rows + HEAD_DIM + 1, mask=tok_mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _decode_kernel(
     Q, K, V, Out, Index, SeqLens, PartOut, PartLse,
@@ -82,7 +100,7 @@ def _decode_kernel(
     stride_index, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,7 +135,11 @@ def _decode_kernel(
         k_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_k_outer, stride_k_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + k_head
         k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # scaled rows: the dot on the values, each key's scale on its column
+            k = _fp8_values(k, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if FP8:
+            s = s * _row_scales(K, k_rows, tok_mask, HEAD_DIM)[None, :]
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -126,6 +148,9 @@ def _decode_kernel(
         v_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_v_outer, stride_v_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + v_head
         v = tl.load(V + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # each value row's scale folded into its softmax weight
+            v = _fp8_values(v, FP8).to(q.dtype)
+            p = p * _row_scales(V, v_rows, tok_mask, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -175,7 +200,7 @@ def _prefill_kernel(
     stride_index, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -217,7 +242,11 @@ def _prefill_kernel(
         k_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_k_outer, stride_k_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + k_head
         k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = _fp8_values(k, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if FP8:
+            s = s * _row_scales(K, k_rows, tok_mask, HEAD_DIM)[None, :]
         seen = (t[None, :] <= q_pos[:, None]) & (t[None, :] >= seen_from[:, None])
         s = tl.where(tok_mask[None, :] & seen, s, float("-inf"))
         # a row may see nothing of a tile yet (its window starts later): -inf max taken as 0
@@ -229,6 +258,9 @@ def _prefill_kernel(
         v_rows = _tile_rows(Index, index_base, start, t, tok_mask, stride_v_outer, stride_v_tok,
                             PAGED, BLOCK_SIZE, BLOCK_N) + v_head
         v = tl.load(V + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = _fp8_values(v, FP8).to(q.dtype)
+            p = p * _row_scales(V, v_rows, tok_mask, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -242,6 +274,17 @@ def _prefill_kernel(
 
 #: True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they run on CPU tensors)
 INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)
+#: fp8 caches the kernels read (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): rows of ``head_dim``
+#: fp8 values + a float16 scale (value = fp8 x scale), the kernels' ``FP8`` code
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+FP8_SCALE_BYTES = 2
+
+
+def _kv_args(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(K, V as the kernels take them, FP8 code): an fp8 cache as its bytes (uint8 views, same
+    strides), anything else as it is (code 0)."""
+    code = FP8_FORMATS.get(k.dtype, 0)
+    return (k.view(torch.uint8), v.view(torch.uint8), code) if code else (k, v, 0)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -252,10 +295,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
                          f"{tuple(v.shape)}")
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     kv_heads = k.shape[2]
-    if k.shape[3] != head_dim or num_heads % kv_heads:
-        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit k {tuple(k.shape)}")
-    if q.dtype != k.dtype or v.dtype != k.dtype:
+    row = head_dim + (FP8_SCALE_BYTES if k.dtype in FP8_FORMATS else 0)
+    if k.shape[3] != row or num_heads % kv_heads:
+        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit k {tuple(k.shape)}"
+                         + (" (fp8 rows: head_dim values + a 2-byte scale)"
+                            if k.dtype in FP8_FORMATS else ""))
+    if v.dtype != k.dtype or (q.dtype != k.dtype and k.dtype not in FP8_FORMATS):
         raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.dtype in FP8_FORMATS and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"an fp8 cache is read with float queries, got {q.dtype}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in head_dim, got {x.stride()}")
@@ -334,6 +382,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    k, v, fp8 = _kv_args(k, v)
     launch(
         _decode_kernel, (batch, kv_heads, splits),
         q, k, v, out, index, seq_lens, part_out, part_lse,
@@ -343,7 +392,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tens
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tile_d,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, PAGED=paged,
-        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         launch(
@@ -408,6 +457,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
     block_q = block_m // group
     out = torch.empty_like(q)  # [num_tokens, Hq, D]
     grid = (batch, max(1, math.ceil(max_query_len / block_q)), k.shape[2])
+    k, v, fp8 = _kv_args(k, v)
     launch(
         _prefill_kernel, grid,
         q, k, v, out, index, seq_lens, cu_seqlens_q,
@@ -416,7 +466,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Ten
         index.stride(0) if paged else 0, scale * LOG2E, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
-        PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
