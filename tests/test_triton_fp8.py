@@ -178,3 +178,29 @@ def test_an_fp8_cache_of_the_wrong_row_size_is_refused() -> None:
                                                                      device=DEVICE),
                      torch.zeros(1, KV_HEADS, DIM, device=DEVICE),
                      torch.zeros(1, KV_HEADS, DIM, device=DEVICE))
+
+
+def _backend_scenario(fmt_name: str) -> None:
+    """Child-process body: the CUDA attention backend (its Triton write and twins) over an fp8
+    host virtual cache (tails unmapped) and an fp8 paged cache, the same steps and data."""
+    from attention_scenarios import STEPS, host_virtual, paged_cache, run_scenario
+
+    from vmkv.attention.cuda import CudaAttentionBackend
+    from vmkv.attention.kv_store import store_triton
+
+    fmt = getattr(torch, fmt_name)
+    errors = {}
+    for kv in (host_virtual(fmt), paged_cache(fmt)):
+        backend = CudaAttentionBackend(kv, store=store_triton)  # auto: fp8 takes the twins
+        assert backend.kernel == "triton", backend.kernel
+        errors[kv.kv_mode], _ = run_scenario(kv, backend, STEPS, tol=0.15)
+        kv.accounting.check()
+    assert errors["virtual"] == errors["paged"]  # the twins: the same numbers
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_cuda_backend_serves_an_fp8_cache_in_both_modes(fmt: str) -> None:
+    from attention_scenarios import run_child
+
+    proc = run_child("test_triton_fp8", "_backend_scenario", fmt)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"

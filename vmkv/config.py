@@ -260,7 +260,8 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> None:
     """ValueError where ``device`` cannot keep a ``kv_cache_dtype`` cache for a model in
     ``dtype``; the message names the choices that work there."""
-    works = (("auto", dtype, "int8") if device == "cpu" else ("auto", dtype))
+    works = (("auto", dtype, "int8") if device == "cpu"
+             else ("auto", dtype, "fp8_e4m3", "fp8_e5m2"))
     if kv_cache_dtype in works:
         return
     if kv_cache_dtype in ("float32", "bfloat16"):
@@ -268,10 +269,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> None:
                f"{kv_cache_dtype} to keep a {kv_cache_dtype} cache")
     elif device == "cpu":
         why = "fp8 KV is a GPU format (the CPU kernels compress to int8)"
-    elif kv_cache_dtype == "int8":
-        why = "int8 KV is the CPU kernels' format (CUDA compresses to fp8)"
     else:
-        why = "fp8 KV in the Triton twins is not built yet"
+        why = "int8 KV is the CPU kernels' format (CUDA compresses to fp8, read by Triton)"
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} on {device}: {why}; choose one of "
                      f"{', '.join(dict.fromkeys(works))}")
 

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from vmkv.config import ATTENTION_BACKENDS
+from vmkv.kv.spec import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,14 @@ def resolve_kernel(requested: str, *, paged: bool, dtype: torch.dtype, head_dim:
         rows_fit_int32: whether the cache's flat rows fit FlashAttention's int32 offsets.
     """
     name = "paged-cuda" if paged else "virtual-cuda"
+    if dtype in FP8_DTYPES:  # scaled fp8 rows: only the Triton twins read them
+        if requested not in ("auto", "triton"):
+            raise ValueError(f"{name}: an fp8 KV cache is read by the Triton twins only, not "
+                             f"by {requested!r}")
+        if not triton:
+            raise ValueError(f"{name}: an fp8 KV cache needs Triton, which cannot launch "
+                             "kernels here")
+        return "triton"
     model_reason = flash_unsupported(dtype, head_dim)
     cache_reason = None
     if paged and block_size % FLASH_PAGED_BLOCK:

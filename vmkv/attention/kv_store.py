@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import torch
 
+from vmkv.kv.spec import FP8_DTYPES
+
 logger = logging.getLogger(__name__)
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-#: caches the Triton write quantizes into (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def store_index_copy(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,

@@ -23,7 +23,10 @@ copy, swap, fork and prefix share of a row carries the scale with it:
     int8 head row   | head_dim int8 values | float16 scale (2 bytes) |   = head_dim + 2 bytes
                     value = int8 * scale;  scale = max|x| / 127 of that token's head
 
-Views of such a cache are ``[..., kv_head, head_dim + 2]`` int8 (:attr:`KVSpec.row_dim`). It also
+Views of such a cache are ``[..., kv_head, head_dim + 2]`` int8 (:attr:`KVSpec.row_dim`). An fp8
+cache (CUDA, ``fp8_e4m3|fp8_e5m2``) has the same rows with fp8 values (scale = max|x| / 448 or
+/ 57344, the format's largest value), read by the Triton twins; its views are of that fp8
+dtype, the scale's two bytes included. It also
 describes *layer groups* (:class:`LayerGroup`: full-attention layers, and
 sliding-window layers whose queries see only their last tokens: Gemma 3's). The attention
 backends read each layer's window (:attr:`KVSpec.windows`) and apply it.
@@ -43,7 +46,11 @@ from vmkv.config import LAYOUTS
 INT8_SCALE_BYTES = 2
 #: the KV cache's storage by ``--kv-cache-dtype`` name (auto resolved before: the model's)
 KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "int8": torch.int8}
+              "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: fp8 caches (CUDA: the Triton twins read them, the Triton write quantizes into them)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: caches of scaled rows: values of one byte, then a float16 scale per token and head
+QUANTIZED = (torch.int8, *FP8_DTYPES)
 
 
 def kv_storage_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -111,8 +118,9 @@ class KVSpec:
 
     @cached_property
     def quantized(self) -> bool:
-        """Whether rows are int8 values with a scale each (``--kv-cache-dtype int8``)."""
-        return self.dtype == torch.int8
+        """Whether rows are one-byte values with a scale each (``--kv-cache-dtype int8``, or
+        ``fp8_e4m3|fp8_e5m2`` on CUDA)."""
+        return self.dtype in QUANTIZED
 
     @cached_property
     def row_dim(self) -> int:

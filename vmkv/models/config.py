@@ -238,9 +238,9 @@ class ModelConfig:
                 by_window.setdefault(window, []).append(layer)
             groups = tuple(LayerGroup(tuple(layers), window or None)
                            for window, layers in sorted(by_window.items()))
-        # int8 is a KV storage only; the float dtypes keep their aliases ("bf16", "fp32")
-        storage = (kv_storage_dtype(dtype) if str(dtype).removeprefix("torch.") == "int8"
-                   else parse_dtype(dtype))
+        # int8 and fp8 are KV storages only; the float dtypes keep their aliases ("bf16")
+        storage = (kv_storage_dtype(dtype) if str(dtype).removeprefix("torch.") in
+                   ("int8", "fp8_e4m3", "fp8_e5m2") else parse_dtype(dtype))
         return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, storage, groups)
 
 
