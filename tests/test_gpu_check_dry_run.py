@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("pytest", "fastapi", "uvicorn", "pydantic", "gguf")
 MUST_PASS = ("s0_env", "s1_vmm_smoke", "s2_vmm_latency", "s3_attention", "s4_tokens",
              "s6_decode", "s7_twins", "s5_bench_cli", "s10_tensor_parallel",
-             "s11_sliding_window", "s12_spec_decode")
+             "s11_sliding_window", "s12_spec_decode", "s13_fp8_kv")
 
 
 def blocking_stubs(folder: Path) -> Path:

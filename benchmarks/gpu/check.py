@@ -8,8 +8,9 @@
 
 Order: the default steps s0 s1 s2 s3 s4 s6 s7 (their timeouts add up to the default budget),
 then, only with time left, s5 (benchmark CLI), s10 (tensor parallelism), s11 (sliding-window
-attention with the pages behind the window unmapped), s12 (speculative decoding), s8 (pytest -m
-gpu, if pytest imports) and s9 (compute-sanitizer, if present). Results go to ``$OUT`` if set
+attention with the pages behind the window unmapped), s12 (speculative decoding), s13 (fp8 KV
+against bf16 at the 8B shapes), s8 (pytest -m gpu, if pytest imports) and s9
+(compute-sanitizer, if present). Results go to ``$OUT`` if set
 (the device tool brings that folder back), else ``benchmarks/results/gpu-check-<time>/``: one
 JSON per step (rewritten after every result), ``logs/<step>.log``, ``summary.json`` (after every
 step) and ``summary.txt``. A step that dies (error 700 kills the CUDA context, SIGSEGV, timeout)
@@ -77,6 +78,9 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
         Step("s12_spec_decode", script("s12_spec_decode"), 45,
              "speculative decoding: verify steps eager, rollback, tokens unchanged",
              optional=True, min_time=20),
+        Step("s13_fp8_kv", script("s13_fp8_kv"), 95,
+             "fp8 KV vs bf16 at 8B shapes: correctness, decode step", optional=True,
+             min_time=30, budget_margin=15),
         Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)
                                 else "skipped: cpu dry run" if ON_CPU else None)),
