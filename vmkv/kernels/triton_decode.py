@@ -8,20 +8,14 @@ difference between the twins is exactly the cost of address translation:
     paged (block table)        K: [num_blocks, block_size, kv_heads, head_dim]
         row(b, t) = block_table[b, t // block_size] * stride_outer + (t % block_size) * stride_tok
 
-Invariants: every offset is int64 (a virtual slot stride times a slot id overflows int32); every
-K/V load and block-table load is masked by ``t < seq_lens[b]``, so nothing at or past a
-sequence's length is read (its pages need not be mapped), nor before a sliding ``window``
-(position p sees keys p - window + 1 .. p; the pages or blocks behind it may be gone).
-``head_dim`` must have unit stride.
+Rows, their invariants (int64 offsets, masked loads) and fp8 rows: :mod:`.triton_rows`.
 
 Decode: one program per (batch entry, kv head, KV split) holding all ``group`` query heads of
 that kv head (rows padded to 16 for ``tl.dot``), online softmax over ``block_n``-token tiles;
 with ``num_splits > 1`` each split writes a partial result and a second kernel merges them.
 Prefill: one program per (request, block of query tokens, kv head), causal with a context offset.
 
-NOTE: paged mode loads one block-table entry per tile when ``block_size % block_n == 0`` and one
-per token otherwise (e.g. block size 16 under 64-token tiles); that gather is part of the cost
-being measured. fp32 inputs use exact fp32 dots (no TF32): benchmark in fp16/bf16.
+fp32 inputs use exact fp32 dots (no TF32): benchmark in fp16/bf16.
 
 Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU tensors.
 """
@@ -35,6 +29,7 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels.launch import launch
+from vmkv.kernels.triton_rows import _fp8_values, _index_base, _row_scales, _tile_rows
 
 __all__ = ["decode_contiguous", "decode_paged", "prefill_contiguous", "prefill_paged"]
 
@@ -44,51 +39,6 @@ LOG2E = 1.4426950408889634
 #: moving from 16 to 17 blocks recompiled the paged kernel in the middle of a run (0.4-0.65 s
 #: of one step on an H200, docs/gpu-results.md), so it is passed unspecialised.
 UNSPECIALIZED = ("stride_index",)
-
-
-@triton.jit
-def _tile_rows(Index, index_base, start, t, tok_mask, stride_outer, stride_tok,
-               PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int64 element offsets of the K (or V) rows of tokens ``t`` (a tile starting at ``start``).
-
-    Contiguous: ``index_base`` is the slot id (int64). Paged: it is the offset of the batch
-    entry's block-table row.
-    """
-    if PAGED:
-        if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: one table entry per tile
-            blk = tl.load(Index + index_base + start // BLOCK_SIZE).to(tl.int64)
-        else:
-            blk = tl.load(Index + index_base + t // BLOCK_SIZE, mask=tok_mask, other=0)
-            blk = blk.to(tl.int64)
-        return blk * stride_outer + (t % BLOCK_SIZE).to(tl.int64) * stride_tok
-    else:
-        return index_base * stride_outer + t.to(tl.int64) * stride_tok
-
-
-@triton.jit
-def _index_base(Index, b, stride_index, PAGED: tl.constexpr):
-    if PAGED:
-        return b.to(tl.int64) * stride_index
-    else:
-        return tl.load(Index + b).to(tl.int64)
-
-
-@triton.jit
-def _fp8_values(x, FP8: tl.constexpr):
-    """An fp8 cache's value bytes (uint8) as their fp8 type: e4m3 (FP8 1) or e5m2 (FP8 2)."""
-    if FP8 == 1:
-        return x.to(tl.float8e4nv, bitcast=True)
-    else:
-        return x.to(tl.float8e5, bitcast=True)
-
-
-@triton.jit
-def _row_scales(KV, rows, tok_mask, HEAD_DIM: tl.constexpr):
-    """Each row's float16 scale (the 2 bytes after its ``HEAD_DIM`` values, little-endian) as
-    float32 ``[BLOCK_N]``; 0 where masked."""
-    lo = tl.load(KV + rows + HEAD_DIM, mask=tok_mask, other=0).to(tl.uint16)
-    hi = tl.load(KV + rows + HEAD_DIM + 1, mask=tok_mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED)
