@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from vmkv.kv.spec import FP8_DTYPES
+from vmkv.kv.spec import FP8_DTYPES, SCALE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def store_triton(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,
     if v.stride(-1) != 1:
         v = v.contiguous()
     fp8 = k_flat.dtype in FP8_DTYPES  # rows of D fp8 values + a 2-byte scale, quantized here
-    row = (k.shape[1], k.shape[2] + 2) if fp8 else tuple(k.shape[1:])
+    row = (k.shape[1], k.shape[2] + SCALE_BYTES) if fp8 else tuple(k.shape[1:])
     for name, x in (("k_flat", k_flat), ("v_flat", v_flat)):
         if x.stride(-1) != 1 or tuple(x.shape[1:]) != row or (x.dtype != k.dtype and not fp8):
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} (strides {x.stride()}) does "

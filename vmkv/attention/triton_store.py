@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels.launch import launch
+from vmkv.kernels.triton_rows import FP8_CODES
 
 
 @triton.jit
@@ -79,11 +80,6 @@ def _store_kv_kernel(K, V, KCache, VCache, Rows,
                 offs_d, mask, HEADS, HEAD_DIM, FP8, FP8_MAX)
     _store_rows(V, VCache, t, row, stride_v_t, stride_v_h, stride_vc_r, stride_vc_h, offs_h,
                 offs_d, mask, HEADS, HEAD_DIM, FP8, FP8_MAX)
-
-
-#: fp8 caches (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): the kernel's FP8 code and the format's
-#: largest finite value (a row's scale maps its largest magnitude there)
-FP8_CODES = {torch.float8_e4m3fn: (1, 448.0), torch.float8_e5m2: (2, 57344.0)}
 
 
 def store_kv(k_flat: torch.Tensor, v_flat: torch.Tensor, rows: torch.Tensor,

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels.launch import launch
-from vmkv.kernels.triton_rows import _fp8_values, _index_base, _row_scales, _tile_rows
+from vmkv.kernels.triton_rows import FP8_CODES, _fp8_values, _index_base, _row_scales, _tile_rows
+from vmkv.kv.spec import FP8_DTYPES, SCALE_BYTES
 
 __all__ = ["decode_contiguous", "decode_paged", "prefill_contiguous", "prefill_paged"]
 
@@ -224,16 +225,12 @@ def _prefill_kernel(
 
 #: True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they run on CPU tensors)
 INTERPRETED = not isinstance(_decode_kernel, triton.runtime.JITFunction)
-#: fp8 caches the kernels read (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): rows of ``head_dim``
-#: fp8 values + a float16 scale (value = fp8 x scale), the kernels' ``FP8`` code
-FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-FP8_SCALE_BYTES = 2
 
 
 def _kv_args(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(K, V as the kernels take them, FP8 code): an fp8 cache as its bytes (uint8 views, same
     strides), anything else as it is (code 0)."""
-    code = FP8_FORMATS.get(k.dtype, 0)
+    code = FP8_CODES[k.dtype][0] if k.dtype in FP8_DTYPES else 0
     return (k.view(torch.uint8), v.view(torch.uint8), code) if code else (k, v, 0)
 
 
@@ -245,14 +242,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
                          f"{tuple(v.shape)}")
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     kv_heads = k.shape[2]
-    row = head_dim + (FP8_SCALE_BYTES if k.dtype in FP8_FORMATS else 0)
+    row = head_dim + (SCALE_BYTES if k.dtype in FP8_DTYPES else 0)
     if k.shape[3] != row or num_heads % kv_heads:
         raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit k {tuple(k.shape)}"
                          + (" (fp8 rows: head_dim values + a 2-byte scale)"
-                            if k.dtype in FP8_FORMATS else ""))
-    if v.dtype != k.dtype or (q.dtype != k.dtype and k.dtype not in FP8_FORMATS):
+                            if k.dtype in FP8_DTYPES else ""))
+    if v.dtype != k.dtype or (q.dtype != k.dtype and k.dtype not in FP8_DTYPES):
         raise ValueError(f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.dtype in FP8_FORMATS and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if k.dtype in FP8_DTYPES and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"an fp8 cache is read with float queries, got {q.dtype}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:

@@ -20,8 +20,13 @@ values to the query's dtype for the dot and scale each key's score and each valu
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+#: an fp8 cache's dtype -> (the kernels' ``FP8`` code, the format's largest finite value: a
+#: row's scale maps its largest magnitude there)
+FP8_CODES = {torch.float8_e4m3fn: (1, 448.0), torch.float8_e5m2: (2, 57344.0)}
 
 
 @triton.jit

@@ -42,8 +42,8 @@ import torch
 
 from vmkv.config import LAYOUTS
 
-#: bytes of the float16 scale after each head's int8 values (--kv-cache-dtype int8)
-INT8_SCALE_BYTES = 2
+#: bytes of the float16 scale after each head's one-byte values (int8, or fp8 on CUDA)
+SCALE_BYTES = 2
 #: the KV cache's storage by ``--kv-cache-dtype`` name (auto resolved before: the model's)
 KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -126,7 +126,7 @@ class KVSpec:
     def row_dim(self) -> int:
         """Elements of one head's row in the cache: ``head_dim``, + the scale's 2 bytes in an
         int8 cache (the last dim of :meth:`VirtualLayout.layer_views` and of paged blocks)."""
-        return self.head_dim + (INT8_SCALE_BYTES if self.quantized else 0)
+        return self.head_dim + (SCALE_BYTES if self.quantized else 0)
 
     @cached_property
     def head_bytes(self) -> int:

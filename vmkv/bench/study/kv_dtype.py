@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from vmkv.bench import accuracy, memory, profile
-from vmkv.bench.study import end_to_end, runs
+from vmkv.bench.study import end_to_end, runs, tax
 from vmkv.bench.study.figure import Figure, Section
 from vmkv.bench.study.fmt import num
 from vmkv.bench.study.memory import mix_lengths
 from vmkv.bench.study.scale import GiB, KiB, MiB, Scale
 from vmkv.bench.workloads import MIXES
 from vmkv.config import CPU_BLOCK_SIZE, HOST_PAGE_SIZE
-from vmkv.kv.spec import KVSpec, VirtualLayout
+from vmkv.kv.spec import KVSpec, kv_storage_dtype
 
 NAME, TITLE = "kv_dtype", "The KV dtype (bytes per token)"
 MODES = ("virtual", "paged")
@@ -49,18 +49,18 @@ def model_dtype(scale: Scale) -> str:
 
 
 def storage(kv_dtype: str, dtype: str) -> torch.dtype:
-    return getattr(torch, dtype if kv_dtype == "auto" else kv_dtype)
+    """The cache's storage dtype for ``--kv-cache-dtype kv_dtype`` with a ``dtype`` model."""
+    return kv_storage_dtype(dtype if kv_dtype == "auto" else kv_dtype)
 
 
 def geometry(dtype: torch.dtype) -> dict[str, Any]:
     """Bytes and tokens per unit of memory for the default model's KV shape in ``dtype``."""
     spec = KVSpec(*memory.SMOLLM2_135M, dtype=dtype)
-    per_layer = VirtualLayout("per-layer", spec, ENGINE_PAGE, 2048)
-    all_layers = VirtualLayout("all-layers", spec, LARGE_PAGE, 2048)
+    # a per-layer page holds one layer's K (or V) rows; an all-layers page whole tokens
     return {"bytes_per_token": spec.bytes_per_token,
             "tokens_per_gib": GiB // spec.bytes_per_token,
-            "tokens_per_page": ENGINE_PAGE / per_layer.row_bytes,
-            "tokens_per_large_page": LARGE_PAGE / all_layers.row_bytes,
+            "tokens_per_page": ENGINE_PAGE / spec.head_bytes,
+            "tokens_per_large_page": LARGE_PAGE / spec.bytes_per_token,
             "block_bytes": CPU_BLOCK_SIZE * spec.bytes_per_token}
 
 
@@ -115,9 +115,8 @@ def _useful(result: dict[str, Any], strategy: str) -> float:
 
 def _per_token(runs_: list[dict[str, Any]], field: str) -> float:
     """Median over runs of map + unmap ``field`` (calls or pages) per generated token."""
-    return statistics.median(
-        sum(op[field] for k, op in r["map_ops"].items() if k in ("map", "unmap"))
-        / r["output_tokens"] for r in runs_)
+    return statistics.median(tax.op_totals(r, "map", "unmap")[field] / r["output_tokens"]
+                             for r in runs_)
 
 
 def summarise(raw: dict[str, Any], scale: Scale) -> dict[str, Any]:

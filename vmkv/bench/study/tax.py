@@ -73,7 +73,7 @@ def tasks(scale: Scale, raw: dict[str, Any]) -> list[tuple[str, Callable[[], Non
             ("profile paged", lambda: step_parts("paged"))]
 
 
-def _op(run: dict[str, Any], *ops: str) -> dict[str, float]:
+def op_totals(run: dict[str, Any], *ops: str) -> dict[str, float]:
     found = [run["map_ops"][op] for op in ops if op in run["map_ops"]]
     return {"calls": sum(o["calls"] for o in found), "pages": sum(o["pages"] for o in found),
             "ms": sum(o["total_ns"] for o in found) / 1e6}
@@ -83,7 +83,7 @@ def run_numbers(run: dict[str, Any], page: int | None, touch_us: dict[int, float
                 ) -> dict[str, Any]:
     """One run's tax: per step and as a share of the run's time."""
     wall_ms = run["elapsed_s"] * 1e3
-    maps, creates = _op(run, "map", "unmap"), _op(run, "create", "release")
+    maps, creates = op_totals(run, "map", "unmap"), op_totals(run, "create", "release")
     created = run["map_ops"].get("create", {}).get("pages", 0)
     touch_ms = created * touch_us[page] / 1e3 if page else 0.0
     return {
