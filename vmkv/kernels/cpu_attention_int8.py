@@ -32,12 +32,11 @@ from vmkv.kernels.cpu_attention import (
     decode_out_and_new_rows,
     window_arg,
 )
+from vmkv.kernels.scaled_rows import SCALE_BYTES
 
 SOURCE = CSRC / "cpu_attention_int8.cpp"
 LIBRARY = "vmkv_cpu_attention_int8"
 FALLBACK = "no int8 KV cache (--kv-cache-dtype int8 is refused)"
-#: bytes of the float16 scale after each head's int8 values
-SCALE_BYTES = 2
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _STORE_ARGTYPES = [ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64,
                    _PTR, _I64, _I64, _PTR, _I64, _I64]

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from vmkv.kernels.launch import launch
+from vmkv.kernels.scaled_rows import FP8_DTYPES, SCALE_BYTES
 from vmkv.kernels.triton_rows import FP8_CODES, _fp8_values, _index_base, _row_scales, _tile_rows
-from vmkv.kv.spec import FP8_DTYPES, SCALE_BYTES
 
 __all__ = ["decode_contiguous", "decode_paged", "prefill_contiguous", "prefill_paged"]
 

@@ -41,14 +41,11 @@ from functools import cached_property
 import torch
 
 from vmkv.config import LAYOUTS
+from vmkv.kernels.scaled_rows import FP8_DTYPES, SCALE_BYTES
 
-#: bytes of the float16 scale after each head's one-byte values (int8, or fp8 on CUDA)
-SCALE_BYTES = 2
 #: the KV cache's storage by ``--kv-cache-dtype`` name (auto resolved before: the model's)
 KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-#: fp8 caches (CUDA: the Triton twins read them, the Triton write quantizes into them)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: caches of scaled rows: values of one byte, then a float16 scale per token and head
 QUANTIZED = (torch.int8, *FP8_DTYPES)
 
