@@ -85,6 +85,25 @@ def test_summary_medians_ratios_and_invalid_runs() -> None:
                                           "output_tokens": 1, "requested_output_tokens": 2,
                                           "process_s": 1.0, "wrong_length_requests": 1})
     assert "FAILED" in compare.describe(runs[-1])
+    assert "vmkv_int8_kv_over_best_peer" in s and not s["vmkv_int8_kv_over_best_peer"]
+
+
+def test_int8_kv_engines_are_compared_with_the_best_peer_at_any_setting() -> None:
+    kvhead8 = compare.parse_engine("virtual-kvhead8")
+    assert not kvhead8.is_peer and kvhead8.precision in compare.INT8_KV
+    with pytest.raises(ValueError, match="FAMILY"):
+        compare.parse_engine("openvino-kvhead8")
+    runs = [_row("openvino-int4", 0, 200), _row("openvino-kv8", 0, 150),
+            _row("virtual-head8", 0, 300), _row("virtual-kvhead8", 0, 260),
+            _row("paged-kv8", 0, 210)]
+    s = compare.summarise(runs)
+    assert s["vmkv_int8_kv_over_best_peer"] == {
+        "virtual": {"vmkv": "virtual-kvhead8", "peer": "openvino-int4", "ratio": 1.3},
+        "paged": {"vmkv": "paged-kv8", "peer": "openvino-int4", "ratio": 1.05}}
+    assert s["vmkv_best_over_best_peer"]["virtual"]["vmkv"] == "virtual-head8"
+    state = {"mixes": {"balanced": {"summary": s}}}
+    assert "| virtual with int8 KV / best peer at its best | **1.30x**" in best_peers.table(state)
+    assert "| virtual-kvhead8 | 260.0 |" in best_peers.table(state)
 
 
 def test_a_failing_process_and_a_missing_result_are_reported(tmp_path: Path) -> None:

