@@ -40,6 +40,8 @@ def test_engine_names() -> None:
     setup.check(compare.parse_engines("openvino-int8"))
     with pytest.raises(ValueError, match="--openvino-int4-model"):
         setup.check(compare.parse_engines("openvino-int4"))
+    with pytest.raises(ValueError, match="openvino-int4kv8 needs --openvino-int4-model"):
+        setup.check(compare.parse_engines("openvino-int4kv8"))
 
 
 def test_rotation_starts_each_repeat_one_later() -> None:

@@ -53,7 +53,7 @@ WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf"
 #: fp8 KV, vmkv with int8 KV (bf16 compute; kvhead8: with the int8 LM head too): ``--engines
 #: all`` runs these last
 KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8",
-              "virtual-kvhead8", "paged-kvhead8")
+              "openvino-int4kv8", "virtual-kvhead8", "paged-kvhead8")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",

