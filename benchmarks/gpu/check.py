@@ -78,8 +78,8 @@ def steps(py: str, env: dict[str, str]) -> list[Step]:
         Step("s12_spec_decode", script("s12_spec_decode"), 45,
              "speculative decoding: verify steps eager, rollback, tokens unchanged",
              optional=True, min_time=20),
-        Step("s13_fp8_kv", script("s13_fp8_kv"), 95,
-             "fp8 KV vs bf16 at 8B shapes: correctness, decode step", optional=True,
+        Step("s13_fp8_kv", script("s13_fp8_kv"), 125,
+             "fp8 KV vs bf16: 8B-shape correctness, engine tokens, decode step", optional=True,
              min_time=30, budget_margin=15),
         Step("s8_pytest", pytest_command(py, env), 120, "pytest -m gpu", optional=True,
              min_time=30, skip=("skipped: no pytest" if not imports(py, "pytest", env)

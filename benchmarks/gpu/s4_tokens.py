@@ -60,14 +60,15 @@ class Comparer:
         with torch.inference_mode():
             return self.logit_models[dtype_name](ids).logits[0, -1].float().cpu()
 
-    def compare(self, name: str, ref: str) -> None:
-        """``name`` vs ``ref``: exact for float32, near-tie flips pass for bfloat16."""
+    def compare(self, name: str, ref: str, tol: float = NEAR_TIE, exact: bool = False) -> None:
+        """``name`` vs ``ref``: exact for float32 (or ``exact``), near-tie flips pass for
+        bfloat16 (within ``tol`` logits)."""
         from token_agreement import compare_greedy
 
         if name not in self.runs or ref not in self.runs:
             return
         dtype_name = "fp32" if "/fp32" in name else "bf16"
-        tol = None if dtype_name == "fp32" else NEAR_TIE
+        tol = None if dtype_name == "fp32" or exact else tol
         out = compare_greedy(self.runs[name], self.runs[ref],
                              functools.partial(self.next_logits, dtype_name), tol)
         rule = "exact" if tol is None else f"near-tie flips (gap <= {tol}) pass"
