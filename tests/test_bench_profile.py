@@ -63,3 +63,29 @@ def test_a_decode_batch_the_kv_budget_cannot_hold_is_refused_up_front(
     err = capsys.readouterr().err
     assert "--batch-size 64 x --context-len 700 needs about 45248 KV tokens" in err
     assert "raise --kv-cache-memory" in err
+
+
+def test_the_attention_and_kv_write_rooflines_read_the_kv_dtypes_bytes() -> None:
+    """An int8 cache's rows (64 values + a 2-byte scale) set its memory floor, not the model's
+    bf16 (the floor was bf16's before: the int8 kernel looked at its roofline at twice it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vmkv.bench.profile import rooflines
+    from vmkv.kv.spec import KVSpec
+
+    cfg = SimpleNamespace(num_layers=30, kv_size=3 * 64, q_size=9 * 64, hidden_size=576,
+                          intermediate_size=1536, vocab_size=49152)
+    phase = {"new_tokens": 64, "sampled": 64, "kv_tokens_read": 32768, "attended_pairs": 32768,
+             "gemm_flops": 0, "lm_head_flops": 0}
+    rates = {"gemm_flops_per_s": 4e11, "bandwidth_bytes_per_s": 3e10, "read_bytes_per_s": 3e10}
+    roofs = {}
+    for dtype in (torch.bfloat16, torch.int8):
+        engine = SimpleNamespace(model_config=cfg, executor=SimpleNamespace(dtype=torch.bfloat16),
+                                 kv=SimpleNamespace(spec=KVSpec(30, 3, 64, dtype)))
+        roofs[dtype] = rooflines(engine, phase, rates)
+    bf16, int8 = roofs[torch.bfloat16], roofs[torch.int8]
+    assert bf16["attention"] == pytest.approx(32768 * 2 * 30 * 3 * 64 * 2 / 3e10 * 1e3)
+    assert int8["attention"] / bf16["attention"] == pytest.approx(66 / 128)
+    assert int8["kv_write"] / bf16["kv_write"] == pytest.approx(66 / 128)

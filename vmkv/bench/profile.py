@@ -183,7 +183,7 @@ def rooflines(engine: Any, phase: dict[str, Any], rates: dict[str, float]) -> di
     cfg = engine.model_config
     itemsize = torch.empty((), dtype=engine.executor.dtype).element_size()
     tokens, sampled = phase["new_tokens"], phase["sampled"]
-    per_token_kv = 2 * cfg.num_layers * cfg.kv_size * itemsize
+    per_token_kv = engine.kv.spec.bytes_per_token  # the KV dtype's bytes, scales included
     attn_flops = 4 * cfg.q_size * cfg.num_layers * phase["attended_pairs"]
     glue_elems = (2 * 2 * cfg.hidden_size + 2 * 3 * cfg.hidden_size
                   + 2 * (cfg.q_size + cfg.kv_size) + 3 * cfg.intermediate_size)
