@@ -348,6 +348,17 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(64) float ks[kBlock], vs[kBlock];
   alignas(64) int16_t wq[GROUP][kBlock + 2];  // w of the head's block as int16, + zeros
   int64_t rows[kBlock], next_rows[kBlock];
+  {  // the first block's rows, fetched while the query is prepared (later blocks' are fetched
+     // during the block before)
+    const int64_t first = std::min(kBlock, len - lo);
+    for (int64_t j = 0; j < first; ++j) {
+      const int64_t row = row_of<PAGED>(b, lo + j, a.starts, a.table, a.table_stride, a.block_size);
+      for (int64_t h = kvh0; h < kvh1; ++h) {
+        prefetch_lines<dim + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
+        prefetch_lines<dim + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
+      }
+    }
+  }
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(64) float qr[dim];
     to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
