@@ -18,12 +18,11 @@ format there), so the same code runs. Rules:
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from common import DEVICE, ON_CPU, WORK, Result, guard, save_word_tokenizer, tiny_llama_config
-from s4_tokens import NEW_TOKENS, WEIGHT_SCALE, Comparer
+from common import DEVICE, ON_CPU, WORK, Result, guard
+from s4_tokens import NEW_TOKENS, Comparer, tiny_model
 
 #: logits between the two picks at a compressed-vs-bf16 divergence that still count as a tie
 NEAR_TIE_COMPRESSED = 0.3
@@ -55,19 +54,9 @@ def engine_tokens(path: Path, mode: str, kv_dtype: str, prompts: list[list[int]]
 def run(res: Result) -> None:
     """The engine part: bf16 KV (virtual) as the reference, then the compressed dtype in both
     modes; every check recorded as it is made."""
-    import model_helpers as mh
-    import torch
-
-    torch.manual_seed(0)
     path = WORK / "tiny-llama-kv"
-    hf_cfg = tiny_llama_config()
-    hf = mh.save_random_model(hf_cfg, path, seed=0, scale=WEIGHT_SCALE).to(DEVICE)
-    save_word_tokenizer(path, hf_cfg.vocab_size)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, hf_cfg.vocab_size, (n,), generator=gen).tolist()
-               for n in (3, 17, 40, 61)]
-    cmp = Comparer(res, copy.deepcopy(hf), prompts)
-    del hf
+    hf, prompts = tiny_model(path)
+    cmp = Comparer(res, hf, prompts)
     for mode, kv_dtype in (("virtual", "auto"), ("virtual", COMPRESSED), ("paged", COMPRESSED)):
         name = f"engine/{mode}/{kv_dtype}"
         both: Any = guard(res, name, lambda m=mode, k=kv_dtype: engine_tokens(path, m, k,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 from common import (
@@ -209,18 +210,28 @@ def run_dtype(res: Result, cmp: Comparer, path, dtype_name: str, dtype) -> None:
         cmp.compare(name, first)
 
 
-def main(res: Result) -> None:
+def tiny_model(path: Path) -> tuple[Any, list[list[int]]]:
+    """The tiny random Llama saved at ``path`` with its word tokenizer (vmkv loads it from
+    there), as a float32 transformers model on the device, and the prompts every run decodes."""
     import model_helpers as mh
     import torch
 
     torch.manual_seed(0)
-    path = WORK / "tiny-llama"
     hf_cfg = tiny_llama_config()
     hf = mh.save_random_model(hf_cfg, path, seed=0, scale=WEIGHT_SCALE).to(DEVICE)
     save_word_tokenizer(path, hf_cfg.vocab_size)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, hf_cfg.vocab_size, (n,), generator=gen).tolist()
                for n in (3, 17, 40, 61)]
+    return hf, prompts
+
+
+def main(res: Result) -> None:
+    import model_helpers as mh
+    import torch
+
+    path = WORK / "tiny-llama"
+    hf, prompts = tiny_model(path)
     cmp = Comparer(res, hf, prompts)
     cmp.add("hf/fp32", mh.hf_greedy(hf, prompts, NEW_TOKENS))
     cmp.add("hf/bf16", mh.hf_greedy(copy.deepcopy(hf).to(torch.bfloat16), prompts, NEW_TOKENS))
