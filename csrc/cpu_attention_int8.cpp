@@ -348,11 +348,14 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(64) float ks[kBlock], vs[kBlock];
   alignas(64) int16_t wq[GROUP][kBlock + 2];  // w of the head's block as int16, + zeros
   int64_t rows[kBlock], next_rows[kBlock];
+  const auto row_at = [&](int64_t t) {
+    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
+  };
   {  // the first block's rows, fetched while the query is prepared (later blocks' are fetched
      // during the block before)
     const int64_t first = std::min(kBlock, len - lo);
     for (int64_t j = 0; j < first; ++j) {
-      const int64_t row = row_of<PAGED>(b, lo + j, a.starts, a.table, a.table_stride, a.block_size);
+      const int64_t row = row_at(lo + j);
       for (int64_t h = kvh0; h < kvh1; ++h) {
         prefetch_lines<dim + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
         prefetch_lines<dim + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
@@ -380,9 +383,6 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     l[r] = 0.0f;
   }
   for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
-  const auto row_at = [&](int64_t t) {
-    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
-  };
   for (int64_t t0 = lo; t0 < len; t0 += kBlock) {
     const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 15) / 16;
     for (int64_t j = 0; j < n; ++j) rows[j] = row_at(t0 + j);

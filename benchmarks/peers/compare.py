@@ -68,6 +68,8 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4kv8", "gguf", "head8", "kv8",
 #: vmkv's precisions over an int8 KV cache (issue 53's bar: vmkv with int8 KV against the best
 #: peer at its best KV setting)
 INT8_KV = ("kv8", "kvhead8")
+#: vmkv's precisions with the int8 LM head (``--lm-head-dtype int8``)
+INT8_HEAD = ("head8", "kvhead8")
 #: how each family spells a precision (a weight format's activations: bf16); absent: not run
 #: kv8: bf16 compute over an 8-bit KV cache (vLLM --kv-cache-dtype fp8, OpenVINO
 #: KV_CACHE_PRECISION u8, vmkv --kv-cache-dtype int8); default: OpenVINO with no precision hints
@@ -275,7 +277,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
            *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
            *(["--kv-cache-dtype", "int8"] if engine.precision in INT8_KV else []),
-           *(["--lm-head-dtype", "int8"] if engine.precision in ("head8", "kvhead8") else []),
+           *(["--lm-head-dtype", "int8"] if engine.precision in INT8_HEAD else []),
            *setup.vmkv_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     process_s = run_process(cmd, env, log, setup.lock)

@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 
 from vmkv.config import ATTENTION_BACKENDS
-from vmkv.kv.spec import FP8_DTYPES
+from vmkv.kernels.scaled_rows import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from vmkv.kv.spec import FP8_DTYPES, SCALE_BYTES
+from vmkv.kernels.scaled_rows import FP8_DTYPES, SCALE_BYTES
 
 logger = logging.getLogger(__name__)
 
