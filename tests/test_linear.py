@@ -20,6 +20,7 @@ from vmkv.models.linear import (
     pack_linears,
     resolve_backend,
 )
+from vmkv.models.quant.gguf_weights import describe_weights, weight_bytes
 
 
 def require_onednn() -> None:
@@ -44,6 +45,18 @@ def test_packed_linear_matches_f_linear(backend: str, bias: bool, rows: int) -> 
     for _ in range(2):  # a second call sees the same bias (an output never aliases it)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(packed(strided), linear(strided), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", list(REQUIRE))
+def test_resident_bytes_count_every_packed_layout(backend: str) -> None:
+    """The start-up report's resident bytes read every packed weight, oneDNN's opaque layout
+    included (it has no storage to ask: the engine's start-up crashed on AVX2 CPUs, where
+    ``auto`` packs with oneDNN)."""
+    REQUIRE[backend]()
+    linear = nn.Linear(96, 40)
+    packed = PackedLinear(linear, 64, backend)
+    assert weight_bytes(packed) >= (96 * 40 + 40) * 4
+    assert "MB resident" in describe_weights(nn.Sequential(packed))
 
 
 def test_pack_linears_swaps_cpu_float32_layers_only() -> None:

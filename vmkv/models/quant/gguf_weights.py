@@ -215,10 +215,16 @@ def describe_weights(model: nn.Module) -> str:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once."""
+    """Bytes of the model's parameters and buffers, each storage counted once (a oneDNN-packed
+    weight, which has no storage to share, at its elements' bytes)."""
     seen: dict[int, int] = {}
+    opaque = 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "meta" and t.numel():
+        if t.device.type == "meta" or not t.numel():
+            continue
+        if t.is_mkldnn:
+            opaque += t.numel() * t.element_size()
+        else:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + opaque
