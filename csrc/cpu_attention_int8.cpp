@@ -22,9 +22,11 @@
 // quantised to int16 per head (relative error 2^-16, where the int8 K's is 2^-8) and the scores are
 // integer dot products of K's int8 widened to int16 (vpdpwssd: two per 64-element head, no float
 // conversion of K), 16 tokens' sums reduced into one vector at once; V is widened to float in
-// registers and accumulated in float32 (online softmax, float32). Compiled per GQA group and
-// head_dim (64 or 128) so that the scores and the value accumulators stay in registers; other
-// shapes and CPUs without VNNI use a portable loop (float32 arithmetic on the dequantised values).
+// registers and accumulated in float32 (online softmax, float32). With AVX2 and no AVX-512 the
+// same integer products run as vpmaddwd + vpaddd on 8-lane vectors (attend_avx2). Compiled per
+// GQA group and head_dim (64 or 128) so that the scores and the value accumulators stay in
+// registers; other shapes and other CPUs use a portable loop (float32 arithmetic on the
+// dequantised values).
 //
 // Built by vmkv/kernels/cpu_attention_int8.py (g++ -O3 -march=native -fopenmp), called through
 // ctypes.
@@ -42,6 +44,10 @@
 
 #include "cpu_rows.h"
 #include "cpu_vec.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>  // (cpu_vec.h includes it only for AVX2 + FMA or AVX-512)
+#endif
 
 namespace {
 
@@ -285,7 +291,13 @@ void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int64_t kBlock = 64;  // tokens per online-softmax step (four score vectors)
+#define VMKV_INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VMKV_INT8_AVX2 1
+#endif
+
+#if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
+constexpr int64_t kBlock = 64;  // tokens per online-softmax step (four or eight score vectors)
 constexpr int kMaxGroup = 8;
 
 // The cache lines of [p, p + bytes) fetched into L2 (a line per 64 bytes; the next block's
@@ -296,6 +308,9 @@ inline void prefetch_lines(const int8_t* p) {
   for (int64_t o = 0; o + 64 < BYTES; o += 64) __builtin_prefetch(p + o, 0, 1);
   __builtin_prefetch(p + BYTES - 1, 0, 1);
 }
+#endif
+
+#if defined(VMKV_INT8_VNNI)
 
 // Sixteen int32 vectors -> one whose lane j is the sum of v[j]'s lanes (vsum16's shuffles).
 inline __m512i vsum16_i32(const __m512i* v) {
@@ -346,7 +361,8 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   float m[kMaxTaskRows], l[kMaxTaskRows], qscale[kMaxTaskRows];
   alignas(64) int16_t q16[kMaxTaskRows][dim];
   alignas(64) float ks[kBlock], vs[kBlock];
-  alignas(64) int16_t wq[GROUP][kBlock + 2];  // w of the head's block as int16, + zeros
+  alignas(64) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
+                                               // (rows of 192 bytes: every store aligned)
   int64_t rows[kBlock], next_rows[kBlock];
   const auto row_at = [&](int64_t t) {
     return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
@@ -516,23 +532,248 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   }
 }
 
+template <typename T, int GROUP, int DIM, bool PAGED>
+void attend_fast(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
+                 int64_t kvh1) {
+  attend_vnni<T, GROUP, DIM / 32, PAGED>(a, b, lo, len, kvh0, kvh1);
+}
+#endif
+
+#if defined(VMKV_INT8_AVX2)
+// Eight int32 vectors -> one whose lane j is the sum of v[j]'s lanes.
+inline __m256i vsum8_i32(const __m256i* v) {
+  // per 128-bit half: [v0 0+1, v0 2+3, v1 0+1, v1 2+3], then each vector's four-lane sums
+  const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),  // the low halves' sums
+                          _mm256_permute2x128_si256(b0, b1, 0x31));  // + the high halves'
+}
+
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Lanes [0, live) all ones, the rest zero (a mask for blendv / and).
+inline __m256 first_lanes(int64_t live) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// Int32 value accumulators of a dim chunk (two per query head and 16 dims) that fit in AVX2's
+// sixteen registers beside the loaded rows.
+template <int GROUP, int CH>
+constexpr int avx2_chunk_of() {
+  int cv = CH;
+  while (cv > 1 && 2 * GROUP * cv > 8) cv /= 2;
+  return cv;
+}
+
+// attend_vnni's task with AVX2 (no VNNI): the same exact integer products, vpmaddwd and vpaddd
+// for each vpdpwssd, on 8-lane vectors; head_dim 16 * CH. Scores: the int16 query (one scale
+// per head) . K's int8 widened to int16, 8 tokens' sums reduced into one vector; values: w as
+// int16 (one scale per head and block) on token pairs interleaved by unpacklo/hi, whose int32
+// lane 4L + k of chunk c is dim 16c + 8L + k (lo) or 16c + 8L + 4 + k (hi), summed per block in
+// int32, then added to float32 accumulators (online softmax, float32).
+template <typename T, int GROUP, int CH, bool PAGED>
+void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
+                 int64_t kvh1) {
+  constexpr int64_t dim = 16 * CH;
+  constexpr int CV = avx2_chunk_of<GROUP, CH>();
+  const int64_t span = kvh1 - kvh0;
+  alignas(32) float acc[kMaxTaskRows][dim];  // permuted lanes (above), undone at the store
+  float m[kMaxTaskRows], l[kMaxTaskRows], qscale[kMaxTaskRows];
+  alignas(32) int16_t q16[kMaxTaskRows][dim];
+  alignas(32) float ks[kBlock], vs[kBlock];
+  alignas(32) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
+                                               // (rows of 192 bytes: every store aligned)
+  int64_t rows[kBlock], next_rows[kBlock];
+  const auto row_at = [&](int64_t t) {
+    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
+  };
+  {  // the first block's rows, fetched while the query is prepared
+    const int64_t first = std::min(kBlock, len - lo);
+    for (int64_t j = 0; j < first; ++j) {
+      const int64_t row = row_at(lo + j);
+      for (int64_t h = kvh0; h < kvh1; ++h) {
+        prefetch_lines<dim + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
+        prefetch_lines<dim + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
+      }
+    }
+  }
+  for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
+    alignas(32) float qr[dim];
+    to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(qr[d]));
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+    qscale[r] = s * a.scale;
+    for (int64_t d = 0; d < dim; ++d) {  // |q / s| <= 32767, a rounding saturated
+      q16[r][d] = static_cast<int16_t>(std::clamp(std::nearbyint(qr[d] * inv), -32768.0f,
+                                                  32767.0f));
+    }
+    std::fill(acc[r], acc[r] + dim, 0.0f);
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
+  for (int64_t t0 = lo; t0 < len; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 7) / 8;
+    for (int64_t j = 0; j < n; ++j) rows[j] = row_at(t0 + j);
+    for (int64_t j = n; j < vecs_n * 8; ++j) rows[j] = rows[0];  // masked off below
+    const int64_t ahead = std::max<int64_t>(0, std::min(kBlock, len - t0 - kBlock));
+    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = row_at(t0 + kBlock + j);
+    for (int64_t h = 0; h < span; ++h) {
+      const int64_t off = (kvh0 + h) * a.stride_head;
+      for (int64_t j = 0; j < vecs_n * 8; ++j) {
+        ks[j] = row_scale(a.k + rows[j] * a.stride_row + off, dim);
+        vs[j] = row_scale(a.v + rows[j] * a.stride_row + off, dim);
+      }
+      float rescale[GROUP], wscale[GROUP];
+      for (int g = 0; g < GROUP; ++g) {
+        const int64_t r = h * GROUP + g;
+        __m256i qv[CH];
+        for (int c = 0; c < CH; ++c) {
+          qv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q16[r] + 16 * c));
+        }
+        __m256 scores[kBlock / 8];
+        __m256 block_max = _mm256_set1_ps(-INFINITY);
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          __m256i part[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            const int8_t* kr = a.k + rows[u * 8 + j] * a.stride_row + off;
+            __m256i s = _mm256_setzero_si256();
+            for (int c = 0; c < CH; ++c) {
+              const __m256i kw = _mm256_cvtepi8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + 16 * c)));
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(kw, qv[c]));
+            }
+            part[j] = s;
+          }
+          scores[u] = _mm256_mul_ps(
+              _mm256_mul_ps(_mm256_cvtepi32_ps(vsum8_i32(part)), _mm256_load_ps(ks + 8 * u)),
+              _mm256_set1_ps(qscale[r]));
+          block_max = _mm256_max_ps(
+              block_max, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores[u],
+                                          first_lanes(n - u * 8)));
+        }
+        const float m_new = std::max(m[r], hmax8(block_max));
+        rescale[g] = max_rescale(m[r], m_new);
+        __m256 sums = _mm256_setzero_ps(), w_max = _mm256_setzero_ps();
+        __m256 w[kBlock / 8];
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          const __m256 p = _mm256_and_ps(
+              first_lanes(n - u * 8),
+              exp_nonpositive_v(_mm256_sub_ps(scores[u], _mm256_set1_ps(m_new))));
+          sums = _mm256_add_ps(sums, p);
+          w[u] = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * u));
+          w_max = _mm256_max_ps(w_max, w[u]);
+        }
+        const float wm = hmax8(w_max);
+        wscale[g] = wm / 32767.0f;
+        const __m256 to_int = _mm256_set1_ps(wm > 0.0f ? 32767.0f / wm : 0.0f);
+        for (int64_t u = 0; u < vecs_n; ++u) {
+          const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(w[u], to_int));
+          _mm_store_si128(reinterpret_cast<__m128i*>(wq[g] + 8 * u),
+                          _mm_packs_epi32(_mm256_castsi256_si128(x),
+                                          _mm256_extracti128_si256(x, 1)));
+        }
+        for (int64_t j = vecs_n * 8; j < kBlock; ++j) wq[g][j] = 0;
+        l[r] = l[r] * rescale[g] + vsum(sums);
+        m[r] = m_new;
+      }
+      for (int cc = 0; cc < CH; cc += CV) {  // values: CV chunks of 16 dims of every head
+        __m256i iacc[GROUP][2 * CV];
+        for (int g = 0; g < GROUP; ++g) {
+          for (int e = 0; e < 2 * CV; ++e) iacc[g][e] = _mm256_setzero_si256();
+        }
+        for (int64_t j = 0; j < n; j += 2) {
+          if (cc == 0) {  // head h's lines of the next block's rows j, j + 1 (into L2)
+            for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
+              const int64_t at = next_rows[i] * a.stride_row + off;
+              prefetch_lines<dim + kScaleBytes>(a.k + at);
+              prefetch_lines<dim + kScaleBytes>(a.v + at);
+            }
+          }
+          const int8_t* v0 = a.v + rows[j] * a.stride_row + off + 16 * cc;
+          const int8_t* v1 = j + 1 < n ? a.v + rows[j + 1] * a.stride_row + off + 16 * cc
+                                       : nullptr;
+          __m256i lo_w[CV], hi_w[CV];
+          for (int c = 0; c < CV; ++c) {
+            const __m256i x = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + 16 * c)));
+            const __m256i z = v1 != nullptr
+                ? _mm256_cvtepi8_epi16(
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + 16 * c)))
+                : _mm256_setzero_si256();
+            lo_w[c] = _mm256_unpacklo_epi16(x, z);
+            hi_w[c] = _mm256_unpackhi_epi16(x, z);
+          }
+          for (int g = 0; g < GROUP; ++g) {
+            int32_t pair;  // w of tokens j, j + 1 (0 past n)
+            std::memcpy(&pair, &wq[g][j], sizeof(pair));
+            const __m256i pp = _mm256_set1_epi32(pair);
+            for (int c = 0; c < CV; ++c) {
+              iacc[g][2 * c] = _mm256_add_epi32(iacc[g][2 * c], _mm256_madd_epi16(lo_w[c], pp));
+              iacc[g][2 * c + 1] = _mm256_add_epi32(iacc[g][2 * c + 1],
+                                                    _mm256_madd_epi16(hi_w[c], pp));
+            }
+          }
+        }
+        for (int g = 0; g < GROUP; ++g) {
+          float* ar = acc[h * GROUP + g] + 16 * cc;
+          const __m256 f = _mm256_set1_ps(rescale[g]), ws = _mm256_set1_ps(wscale[g]);
+          for (int e = 0; e < 2 * CV; ++e) {
+            _mm256_store_ps(ar + 8 * e,
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[g][e]), ws,
+                                            _mm256_mul_ps(_mm256_load_ps(ar + 8 * e), f)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < span * GROUP; ++r) {
+    alignas(32) float res[dim];
+    for (int64_t c = 0; c < CH; ++c) {  // (lo 0, hi 0 | lo 1, hi 1) -> dims in order
+      const __m256 lo_acc = _mm256_load_ps(acc[r] + 16 * c);
+      const __m256 hi_acc = _mm256_load_ps(acc[r] + 16 * c + 8);
+      _mm256_store_ps(res + 16 * c, _mm256_permute2f128_ps(lo_acc, hi_acc, 0x20));
+      _mm256_store_ps(res + 16 * c + 8, _mm256_permute2f128_ps(lo_acc, hi_acc, 0x31));
+    }
+    store_output(res, dim, len > lo ? 1.0f / l[r] : 0.0f,
+                 a.out + b * a.out_stride_b + (kvh0 * GROUP + r) * a.out_stride_h);
+  }
+}
+
+template <typename T, int GROUP, int DIM, bool PAGED>
+void attend_fast(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
+                 int64_t kvh1) {
+  attend_avx2<T, GROUP, DIM / 16, PAGED>(a, b, lo, len, kvh0, kvh1);
+}
+#endif
+
+#if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
 template <typename T, bool PAGED>
 using TaskFn = void (*)(const DecodeArgs<T>&, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-template <typename T, bool PAGED, int CH, int... G>
-TaskFn<T, PAGED> vnni_of_group(int64_t group, std::integer_sequence<int, G...>) {
+template <typename T, bool PAGED, int DIM, int... G>
+TaskFn<T, PAGED> fast_of_group(int64_t group, std::integer_sequence<int, G...>) {
   TaskFn<T, PAGED> fn = nullptr;
-  ((group == G + 1 ? (fn = &attend_vnni<T, G + 1, CH, PAGED>) : fn), ...);
+  ((group == G + 1 ? (fn = &attend_fast<T, G + 1, DIM, PAGED>) : fn), ...);
   return fn;
 }
 
-// The compiled task for this GQA group and head_dim, or nullptr (the portable loop).
+// The compiled task (VNNI or AVX2) for this GQA group and head_dim, or nullptr (the portable
+// loop).
 template <typename T, bool PAGED>
-TaskFn<T, PAGED> vnni_task(int64_t group, int64_t dim) {
+TaskFn<T, PAGED> fast_task(int64_t group, int64_t dim) {
   const auto groups = std::make_integer_sequence<int, kMaxGroup>{};
   switch (dim) {
-    case 64: return vnni_of_group<T, PAGED, 2>(group, groups);
-    case 128: return vnni_of_group<T, PAGED, 4>(group, groups);
+    case 64: return fast_of_group<T, PAGED, 64>(group, groups);
+    case 128: return fast_of_group<T, PAGED, 128>(group, groups);
     default: return nullptr;
   }
 }
@@ -550,8 +791,8 @@ void decode(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch, int6
   // requests keep the threads busy: then one head each
   const int64_t span = batch >= 4 * threads && kv_heads * a.group <= kMaxTaskRows ? kv_heads : 1;
   const int64_t splits = kv_heads / span;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  const TaskFn<T, PAGED> fast = vnni_task<T, PAGED>(a.group, a.dim);
+#if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
+  const TaskFn<T, PAGED> fast = fast_task<T, PAGED>(a.group, a.dim);
 #endif
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < batch * splits; ++task) {
@@ -568,7 +809,7 @@ void decode(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch, int6
                      const_cast<int8_t*>(a.v) + row * a.stride_row + h * a.stride_head);
       }
     }
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
     if (fast != nullptr) {
       fast(a, b, lo, len, kvh0, kvh1);
       continue;

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from skip_policy import require_cpu_kernel
+from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel
 
 from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
 from vmkv.kernels import cpu_attention, cpu_attention_int8
+from vmkv.kernels.build import CPU_FLAGS, load_failure
 from vmkv.kernels.cpu_attention_int8 import (
     dequantize_reference,
     hadamard_reference,
@@ -53,11 +54,12 @@ def test_an_int8_spec_holds_a_scale_beside_each_head() -> None:
     assert bf16.bytes_per_token / int8.bytes_per_token >= 1.9  # tokens per GiB
 
 
-def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cache(dtype: torch.dtype, kv_heads: int = KV_HEADS, dim: int = DIM
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(B * SLOT, KV_HEADS, DIM, generator=gen).to(dtype)
-    v = torch.randn(B * SLOT, KV_HEADS, DIM, generator=gen).to(dtype)
-    kc = torch.zeros(B * SLOT, KV_HEADS, DIM + 2, dtype=torch.int8)
+    k = torch.randn(B * SLOT, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(B * SLOT, kv_heads, dim, generator=gen).to(dtype)
+    kc = torch.zeros(B * SLOT, kv_heads, dim + 2, dtype=torch.int8)
     vc = torch.zeros_like(kc)
     cpu_attention_int8.store(kc, vc, torch.arange(B * SLOT), k, v)
     return kc, vc, k, v
@@ -79,15 +81,39 @@ def _paged_copy(kc: torch.Tensor, vc: torch.Tensor, block_size: int
     return pk, pv, table
 
 
+#: the decode kernel's code paths: -march=native (AVX-512 VNNI or AVX2, whichever the CPU has),
+#: AVX2 on AVX-512 machines, and the portable loop
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
+          "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(params=list(BUILDS))
+def int8_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The int8 kernels built for one of :data:`BUILDS` (what ``decode`` and ``store`` call)."""
+    if request.param != "native" and not X86_64:  # x86 instruction-set switches
+        pytest.skip(f"{NEEDS_X86}: the {request.param} build")
+    flags = (*CPU_FLAGS, *BUILDS[request.param])
+    require(lambda: cpu_attention_int8.build(flags) is not None,
+            f"the {request.param} build of {cpu_attention_int8.LIBRARY}",
+            lambda: load_failure(cpu_attention_int8.LIBRARY))
+    monkeypatch.setattr(cpu_attention_int8, "_lib", lambda: cpu_attention_int8.build(flags))
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_over_int8_rows_is_float_attention_over_their_values(dtype: torch.dtype) -> None:
-    kc, vc, k, v = _cache(dtype)
+# the compiled tasks' head_dims (64, 128) and GQA groups (3, 1, 4), and a portable-only dim (96)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 2, 128), (2, 1, 96)])
+def test_decode_over_int8_rows_is_float_attention_over_their_values(
+        dtype: torch.dtype, heads: int, kv_heads: int, dim: int, int8_build: str) -> None:
+    kc, vc, k, v = _cache(dtype, kv_heads, dim)
     assert torch.equal(kc, quantize_reference(k)) and torch.equal(vc, quantize_reference(v))
     # symmetric int8 per token and head of the rotated row: each value within half a step
-    rot = hadamard_reference(k)
-    err = (hadamard_reference(dequantize_reference(kc)) - rot).abs()
+    basis = hadamard_reference if cpu_attention_int8.rotated(dim) else torch.Tensor.float
+    rot = basis(k)
+    err = (basis(dequantize_reference(kc)) - rot).abs()
     assert bool((err <= 0.5 * rot.abs().amax(-1, keepdim=True) / 127 * 1.01).all())
-    q = torch.randn(B, HEADS, DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
+    q = torch.randn(B, heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     lens = torch.tensor([SLOT, 1, 17, 64, 129], dtype=torch.int32)
     starts = torch.arange(B, dtype=torch.int64) * SLOT
     got = cpu_attention_int8.decode(q, kc, vc, lens, 0.125, starts=starts)
@@ -102,7 +128,7 @@ def test_decode_over_int8_rows_is_float_attention_over_their_values(dtype: torch
                                           block_size=16, window=window)
         assert torch.equal(virtual, paged)
     # the fused write: the new rows quantised by the decode call are the store's
-    kn, vn = (torch.randn(B, KV_HEADS, DIM).to(dtype) for _ in range(2))
+    kn, vn = (torch.randn(B, kv_heads, dim).to(dtype) for _ in range(2))
     fused_k, fused_v = kc.clone(), vc.clone()
     fused = cpu_attention_int8.decode(q, fused_k, fused_v, lens, 0.125, starts=starts,
                                       new_kv=(kn, vn))

@@ -87,6 +87,21 @@ def test_auto_takes_mkl_on_intel_and_brgemm_or_onednn_elsewhere(
         PackedLinear(nn.Linear(4, 4), 64, "torch")
 
 
+def test_bfloat16_on_an_avx2_cpu_runs_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN refuses to pack a bfloat16 weight without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT):
+    there ``auto`` leaves bfloat16 linears to F.linear and ``onednn`` is a ValueError."""
+    avx2 = "sse2 avx avx2 fma f16c"
+    monkeypatch.setattr(linear_module, "cpu_features", lambda: avx2)
+    monkeypatch.setattr(cpu_bf16, "available", lambda dtype=torch.bfloat16: False)
+    assert resolve_backend("auto", torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="cannot pack bfloat16 here.*choose torch"):
+        resolve_backend("onednn", torch.bfloat16)
+    model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
+    monkeypatch.setattr(linear_module, "cpu_features", lambda: f"{avx2} avx512bw avx512vl avx512dq")
+    assert resolve_backend("auto", torch.bfloat16) == ("onednn" if onednn_available() else "torch")
+
+
 def test_a_backend_this_torch_lacks_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_module, "mkl_available", lambda: False)
     with pytest.raises(ValueError, match="linear_backend='mkl' needs torch built with MKL"):

@@ -216,7 +216,9 @@ def test_teacher_forced_agreement_with_the_dequantized_model(default_model: tupl
     logits = {}
     for quant in ("gguf", "none"):
         model, cfg = load_model(path, torch.float32, quantization=quant)
-        assert fuse_layers(model) is not None
+        # the file's formats fuse on every CPU; the dequantized model as the engine would (its
+        # linears fuse where packed for mkl or brgemm: not on an AVX2 EPYC, where auto is onednn)
+        assert fuse_layers(model) is not None or quant == "none"
         rows = []
         for start in range(0, 2048, 512):
             kv = make_kv(cfg, "virtual", max_model_len=512)

@@ -59,8 +59,8 @@ def _lib() -> ctypes.CDLL | None:
 
 @functools.cache
 def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The library built with ``flags`` (cached); None where it cannot be built (AVX-512 VNNI
-    and portable paths: the compiler's choice by ``-march``)."""
+    """The library built with ``flags`` (cached); None where it cannot be built (AVX-512 VNNI,
+    AVX2 and portable paths: the compiler's choice by ``-march``)."""
     lib = load_cpu_library(SOURCE, flags, LIBRARY, FALLBACK)
     if lib is None:
         return None

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from vmkv.config import LINEAR_BACKENDS
-from vmkv.cpu_info import cpu_vendor
+from vmkv.cpu_info import cpu_features, cpu_vendor
 from vmkv.kernels import cpu_bf16
 from vmkv.models.huge_pages import huge_page_copies
 from vmkv.models.quant.int8_head import Int8Head
@@ -87,6 +87,20 @@ def onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+#: the x86 flag sets with which oneDNN packs a bfloat16 linear (its reorder refuses one without)
+ONEDNN_BF16_FLAGS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN can pack a bfloat16 linear here: on x86 it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT (an AVX2-only CPU runs bfloat16 linears through ``F.linear``)."""
+    if not onednn_available():
+        return False
+    flags = set(cpu_features().split())
+    x86 = "sse2" in flags
+    return not x86 or any(set(group) <= flags for group in ONEDNN_BF16_FLAGS)
 
 
 def _mkl_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
@@ -237,15 +251,17 @@ def _resolve_bf16(backend: str) -> str:
     if backend == "auto":
         if cpu_bf16.available():
             return "brgemm"
-        return "onednn" if onednn_available() else "torch"
+        return "onednn" if onednn_bf16_available() else "torch"
     if backend == "mkl":
         raise ValueError("linear_backend='mkl' is float32 only (MKL's packed sgemm); bfloat16 "
                          "takes brgemm, onednn or torch")
     if backend == "brgemm" and not cpu_bf16.available():
         raise ValueError(f"linear_backend='brgemm' cannot run here: "
                          f"{cpu_bf16.unavailable_reason()}")
-    if backend == "onednn" and not onednn_available():
-        raise ValueError("linear_backend='onednn' needs torch built with oneDNN (mkldnn)")
+    if backend == "onednn" and not onednn_bf16_available():
+        raise ValueError("linear_backend='onednn' cannot pack bfloat16 here: it needs torch "
+                         "built with oneDNN (mkldnn) and, on x86, AVX-512 BW/VL/DQ or "
+                         "AVX-NE-CONVERT; choose torch")
     return backend
 
 
