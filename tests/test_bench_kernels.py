@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from triton_required import needs_triton
 
 from vmkv.bench import kernels
+from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.cli import main
+from vmkv.kv import KVSpec
 
 
 def test_cpu_kernels_smoke(tmp_path: Path) -> None:
@@ -32,6 +35,18 @@ def test_cpu_kernels_smoke(tmp_path: Path) -> None:
         assert row["ratio"] == pytest.approx(row["paged_ms"] / row["virtual_ms"])
     assert result["kv_shape"]["layers"] == 30
     assert png.stat().st_size > 1000
+
+
+def test_the_pools_fit_an_int8_cache_in_part_filled_pages() -> None:
+    """64 x 512 tokens of int8 rows (198 bytes a layer: 82 to a 16 KiB page) fit the pools the
+    bench sizes (it refused: "the pool was sized to fit")."""
+    spec = KVSpec(*SMOLLM2_135M, dtype=torch.int8)
+    kvs = kernels._managers(spec, 64, 512, "per-layer", 16)
+    try:
+        assert all(kv.accounting.usage.num_requests == 64 for kv in kvs.values())
+    finally:
+        for kv in kvs.values():
+            kv.close()
 
 
 def test_every_point_over_the_limit_still_reports(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,7 @@ from vmkv.attention import create_attention_backend
 from vmkv.bench.common import NUM_HEADS, progress_bar
 from vmkv.bench.memory import SMOLLM2_135M
 from vmkv.bench.timing import call_ms
-from vmkv.config import CacheConfig
+from vmkv.config import HOST_PAGE_SIZE, CacheConfig
 from vmkv.kv import KVCacheManager, KVSpec, create_kv_cache
 from vmkv.kv.spec import kv_storage_dtype
 
@@ -45,7 +45,11 @@ PHASES = ("decode", "decode-sdpa", "prefill")
 
 def _managers(spec: KVSpec, batch: int, context: int, layout: str, block_size: int,
               page_size: int | None = None) -> dict[str, KVCacheManager]:
-    room = batch * (context + 2 * block_size) * spec.bytes_per_token + (8 << 20)
+    # + a part-filled virtual page per slot and layer (a page maps whole tokens: an int8 row of
+    # 198 bytes fills 82 tokens of a 16 KiB page, so 512 tokens take 7 pages)
+    page = page_size or HOST_PAGE_SIZE[layout]
+    room = (batch * (context + 2 * block_size) * spec.bytes_per_token
+            + batch * spec.num_layers * page + (8 << 20))
     out: dict[str, KVCacheManager] = {}
     for mode in ("virtual", "paged"):
         cache = CacheConfig(kv_mode=mode, kv_cache_memory=room, kv_layout=layout,
