@@ -23,7 +23,8 @@ mostly matches ``F.linear`` bit for bit.
 
 In bfloat16 ``auto`` takes ``brgemm`` where the CPU has bf16 hardware
 (:mod:`vmkv.kernels.cpu_bf16`: oneDNN's AMX ukernel through torch, no per-call set-up, results
-rounded once like ``F.linear``'s), else oneDNN, else ``F.linear``. A packed linear's output is
+rounded once like ``F.linear``'s), else oneDNN where it packs bfloat16 (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT), else ``F.linear`` (an AVX2-only CPU). A packed linear's output is
 its input's dtype, except the LM head's (``out_dtype=float32``: logits are never rounded).
 """
 
