@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 import torch
-from skip_policy import NEEDS_X86, X86_64, require, require_bf16_kernels, require_cpu_kernel
+from kernel_builds import BUILDS, use_build
+from skip_policy import require, require_bf16_kernels, require_cpu_kernel
 
 from vmkv.attention.sdpa import attend_one
 from vmkv.kernels import amx_prefill, cpu_attention
@@ -24,22 +25,10 @@ def _built() -> None:
     require_cpu_kernel(cpu_attention)
 
 
-#: the source's code paths: -march=native (AVX-512 or AVX2 intrinsics, whichever the CPU has),
-#: AVX2 on AVX-512 machines, and the portable loops
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
-          "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-
-
 @pytest.fixture(params=list(BUILDS))
 def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The kernel library built for one of :data:`BUILDS`."""
-    if request.param != "native" and not X86_64:  # x86 instruction-set switches
-        pytest.skip(f"{NEEDS_X86}: the {request.param} build")
-    flags = (*cpu_attention.FLAGS, *BUILDS[request.param])
-    require(lambda: cpu_attention.build(flags) is not None,
-            f"the {request.param} build of {cpu_attention.LIBRARY}",
-            lambda: load_failure(cpu_attention.LIBRARY))
-    monkeypatch.setattr(cpu_attention, "_lib", lambda: cpu_attention.build(flags))
+    use_build(cpu_attention, request.param, monkeypatch)
     return request.param
 
 

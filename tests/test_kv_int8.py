@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from skip_policy import NEEDS_X86, X86_64, require, require_cpu_kernel
+from kernel_builds import BUILDS, use_build
+from skip_policy import require_cpu_kernel
 
 from vmkv import LLM, SamplingParams
 from vmkv.config import EngineConfig
 from vmkv.kernels import cpu_attention, cpu_attention_int8
-from vmkv.kernels.build import CPU_FLAGS, load_failure
 from vmkv.kernels.cpu_attention_int8 import (
     dequantize_reference,
     hadamard_reference,
@@ -81,22 +81,10 @@ def _paged_copy(kc: torch.Tensor, vc: torch.Tensor, block_size: int
     return pk, pv, table
 
 
-#: the decode kernel's code paths: -march=native (AVX-512 VNNI or AVX2, whichever the CPU has),
-#: AVX2 on AVX-512 machines, and the portable loop
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
-          "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-
-
 @pytest.fixture(params=list(BUILDS))
 def int8_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The int8 kernels built for one of :data:`BUILDS` (what ``decode`` and ``store`` call)."""
-    if request.param != "native" and not X86_64:  # x86 instruction-set switches
-        pytest.skip(f"{NEEDS_X86}: the {request.param} build")
-    flags = (*CPU_FLAGS, *BUILDS[request.param])
-    require(lambda: cpu_attention_int8.build(flags) is not None,
-            f"the {request.param} build of {cpu_attention_int8.LIBRARY}",
-            lambda: load_failure(cpu_attention_int8.LIBRARY))
-    monkeypatch.setattr(cpu_attention_int8, "_lib", lambda: cpu_attention_int8.build(flags))
+    use_build(cpu_attention_int8, request.param, monkeypatch)
     return request.param
 
 

@@ -10,11 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_builds import BUILDS, use_build
 from model_helpers import make_kv, prefill_logits, save_tiny_llama
 from skip_policy import (
     NEEDS_BF16,
-    NEEDS_X86,
-    X86_64,
     require,
     require_cpu_kernel,
     require_default_model,
@@ -22,7 +21,6 @@ from skip_policy import (
 
 from vmkv.cpu_info import cpu_features
 from vmkv.kernels import cpu_quant
-from vmkv.kernels.build import load_failure
 from vmkv.llm import LLM
 from vmkv.models import load_model, resolve_model
 from vmkv.models.fused_layers import fuse_layers
@@ -31,9 +29,6 @@ from vmkv.models.quant.gguf_weights import GGUFWeights, weight_bytes
 from vmkv.models.quant.modules import QuantLinear, QuantTensor
 from vmkv.models.quant.packing import FORMATS, pack, unpack
 from vmkv.sampling_params import SamplingParams
-
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",),
-          "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,13 +68,7 @@ def test_packing_is_the_files_bytes_rearranged(ggml_type: int) -> None:
 @pytest.fixture(params=list(BUILDS))
 def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The kernel library built for one code path (the others need x86 switches)."""
-    if request.param != "native" and not X86_64:
-        pytest.skip(f"{NEEDS_X86}: the {request.param} build")
-    flags = (*cpu_quant.FLAGS, *BUILDS[request.param])
-    require(lambda: cpu_quant.build(flags) is not None,
-            f"the {request.param} build of {cpu_quant.LIBRARY}",
-            lambda: load_failure(cpu_quant.LIBRARY))
-    monkeypatch.setattr(cpu_quant, "_lib", lambda: cpu_quant.build(flags))
+    use_build(cpu_quant, request.param, monkeypatch)
     return request.param
 
 
