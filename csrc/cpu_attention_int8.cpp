@@ -308,6 +308,22 @@ inline void prefetch_lines(const int8_t* p) {
   for (int64_t o = 0; o + 64 < BYTES; o += 64) __builtin_prefetch(p + o, 0, 1);
   __builtin_prefetch(p + BYTES - 1, 0, 1);
 }
+
+// The first block's K and V rows of a task (request b, KV heads [kvh0, kvh1)), fetched while
+// its query is prepared (later blocks' are fetched during the block before).
+template <int64_t DIM, bool PAGED, typename T>
+inline void prefetch_first_block(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
+                                 int64_t kvh0, int64_t kvh1) {
+  const int64_t first = std::min(kBlock, len - lo);
+  for (int64_t j = 0; j < first; ++j) {
+    const int64_t row = row_of<PAGED>(b, lo + j, a.starts, a.table, a.table_stride,
+                                      a.block_size);
+    for (int64_t h = kvh0; h < kvh1; ++h) {
+      prefetch_lines<DIM + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
+      prefetch_lines<DIM + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
+    }
+  }
+}
 #endif
 
 #if defined(VMKV_INT8_VNNI)
@@ -362,22 +378,12 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(64) int16_t q16[kMaxTaskRows][dim];
   alignas(64) float ks[kBlock], vs[kBlock];
   alignas(64) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
-                                               // (rows of 192 bytes: every store aligned)
+                                               // (rows of 192 bytes: stores aligned)
   int64_t rows[kBlock], next_rows[kBlock];
   const auto row_at = [&](int64_t t) {
     return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
   };
-  {  // the first block's rows, fetched while the query is prepared (later blocks' are fetched
-     // during the block before)
-    const int64_t first = std::min(kBlock, len - lo);
-    for (int64_t j = 0; j < first; ++j) {
-      const int64_t row = row_at(lo + j);
-      for (int64_t h = kvh0; h < kvh1; ++h) {
-        prefetch_lines<dim + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
-        prefetch_lines<dim + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
-      }
-    }
-  }
+  prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(64) float qr[dim];
     to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
@@ -588,21 +594,12 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(32) int16_t q16[kMaxTaskRows][dim];
   alignas(32) float ks[kBlock], vs[kBlock];
   alignas(32) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
-                                               // (rows of 192 bytes: every store aligned)
+                                               // (rows of 192 bytes: stores aligned)
   int64_t rows[kBlock], next_rows[kBlock];
   const auto row_at = [&](int64_t t) {
     return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
   };
-  {  // the first block's rows, fetched while the query is prepared
-    const int64_t first = std::min(kBlock, len - lo);
-    for (int64_t j = 0; j < first; ++j) {
-      const int64_t row = row_at(lo + j);
-      for (int64_t h = kvh0; h < kvh1; ++h) {
-        prefetch_lines<dim + kScaleBytes>(a.k + row * a.stride_row + h * a.stride_head);
-        prefetch_lines<dim + kScaleBytes>(a.v + row * a.stride_row + h * a.stride_head);
-      }
-    }
-  }
+  prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(32) float qr[dim];
     to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
