@@ -1,12 +1,14 @@
 """The tensor-parallel process groups of this process, and the one collective the model uses.
 
-    init_tensor_parallel(rank, size, init_method, device, timeout)
-        compute group: the default group, gloo on CPU / NCCL on CUDA, ``timeout`` per collective
+    init_tensor_parallel(rank, size, init_method, device, timeout, store=None)
+        compute group: gloo on CPU / NCCL on CUDA, ``timeout`` per collective (the default
+                       group, joined first, only meets the ranks)
         control group: gloo, for step messages from rank 0 (workers wait idle without a
                        limit; rank 0 waits at most its timeout for them)
     all_reduce(x)   sum over the ranks; ``vmkv::all_reduce`` under torch.compile (opaque);
                     skipped inside ``local_only()`` (warm-up)
     close_tensor_parallel()
+    local_store(size, timeout)      rank 0's rendezvous store, at a port the OS assigns
 
 One tensor-parallel engine per process: its groups are process state, as torch.distributed's
 default group is. Rank 0 is the engine; ranks 1..N-1 are workers (:mod:`vmkv.distributed.worker`).
@@ -27,6 +29,9 @@ import torch.distributed as dist
 #: how long an idle worker waits for rank 0's next message (it is woken by a broken
 #: connection long before, when rank 0 dies)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+#: the least time the ranks wait for each other to join (starting an interpreter and
+#: importing torch takes seconds, more on a loaded machine), whatever the collective timeout
+RENDEZVOUS_TIMEOUT = 120.0
 
 
 @dataclass
@@ -35,6 +40,7 @@ class TensorParallelGroup:
 
     rank: int
     size: int
+    compute: dist.ProcessGroup  # gloo / NCCL: the model's all-reduces
     control: dist.ProcessGroup  # gloo: pickled step messages, rank 0 -> all
 
 
@@ -43,10 +49,15 @@ _local = False  # inside local_only(): collectives skipped
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
-                         timeout: float) -> TensorParallelGroup:
+                         timeout: float, store: dist.Store | None = None) -> TensorParallelGroup:
     """Join the ``size`` ranks at ``init_method`` (``tcp://host:port`` or ``env://``) as
-    ``rank``; returns the groups. RuntimeError if this process already has a group, or
-    torch.distributed's own error when the rendezvous fails or times out."""
+    ``rank``, or through ``store`` (rank 0's own store, see :func:`local_store`); returns the
+    groups. RuntimeError if this process already has a group, or torch.distributed's own error
+    when the rendezvous fails or times out.
+
+    The rendezvous waits at least :data:`RENDEZVOUS_TIMEOUT` seconds for the other ranks (a
+    worker still starting its interpreter on a busy machine is not a hung one); ``timeout``
+    bounds every collective after it."""
     global _group
     if _group is not None or dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: one "
@@ -54,11 +65,43 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL, Triton and graphs use the current device
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    if store is not None:  # the prefix torch gives a store it makes from init_method
+        store = dist.PrefixStore("default_pg", store)
+    try:
+        dist.init_process_group(backend, init_method=None if store else init_method,
+                                store=store, rank=rank, world_size=size,
+                                timeout=rendezvous_timeout(timeout))
+    except BaseException:
+        _forget_failed_group()
+        raise
+    compute = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _group = TensorParallelGroup(rank, size, control)
+    _group = TensorParallelGroup(rank, size, compute, control)
     return _group
+
+
+def rendezvous_timeout(timeout: float) -> datetime.timedelta:
+    """How long the ranks wait for each other to join: ``timeout``, at least
+    :data:`RENDEZVOUS_TIMEOUT`."""
+    return datetime.timedelta(seconds=max(timeout, RENDEZVOUS_TIMEOUT))
+
+
+def _forget_failed_group() -> None:
+    """torch counts a default group whose rendezvous failed, and the count names the store keys
+    of this process's next groups: a later engine's rank 0 would wait for keys its fresh
+    workers (counting from 0) never write. Reset the count while no group exists."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+def local_store(size: int, timeout: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on 127.0.0.1 at a port the OS assigns and the store holds from
+    then on; the other ranks join at ``tcp://127.0.0.1:<its .port>``. (A port found free by
+    bind-and-close and bound later could be taken meanwhile, e.g. by another engine starting
+    at the same time, whose ranks would then meet this one's.)"""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                         timeout=rendezvous_timeout(timeout))
 
 
 def tensor_parallel_group() -> TensorParallelGroup | None:
@@ -157,7 +200,7 @@ def _require() -> TensorParallelGroup:
 
 def _all_reduce_eager(x: torch.Tensor) -> torch.Tensor:
     if not _local:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_require().compute)
     return x
 
 
