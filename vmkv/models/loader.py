@@ -29,6 +29,7 @@ from vmkv.models.llama import LlamaModel
 from vmkv.models.quant.gguf_weights import GGUFWeights, load_gguf_model, native_unavailable
 from vmkv.models.quant.int8 import INT8_MODES, quantize_linears
 from vmkv.models.quant.int8_head import quantize_head
+from vmkv.models.quant.smooth import smooth_for_w8a8
 from vmkv.models.sharding import shard_config, shard_state
 
 logger = logging.getLogger(__name__)
@@ -133,10 +134,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     (:mod:`vmkv.models.sharding`). ``quantization``: "none" (the checkpoint's weights in
     ``dtype``), "gguf" (a GGUF model's linears in the file's own block formats,
     :mod:`vmkv.models.quant.gguf_weights`; ValueError where that cannot run), "auto" (gguf
-    where it can run, else none), "int8" or "w8a8" (the decoder linears quantized per output
-    channel at load, :mod:`vmkv.models.quant.int8`). ``lm_head_dtype``: "auto" (the head in
-    ``dtype``) or "int8" (:mod:`vmkv.models.quant.int8_head`). Returns the model and the whole
-    model's config
+    where it can run, else none), "int8" or "w8a8" (the decoder linears quantized at load,
+    :mod:`vmkv.models.quant.int8`; w8a8 after SmoothQuant, :mod:`vmkv.models.quant.smooth`).
+    ``lm_head_dtype``: "auto" (the head in ``dtype``) or "int8"
+    (:mod:`vmkv.models.quant.int8_head`). Returns the model and the whole model's config
     (``model.config`` is the shard's).
 
     Raises ValueError for a path that is not a model folder, an unsupported architecture or
@@ -171,6 +172,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cfg.architecture,
                 _num_params(model), cfg.num_layers, path, dtype, device)
+    if quantization == "w8a8" and smooth_for_w8a8(model, path):
+        logger.info("w8a8: activation outliers folded into the weights (SmoothQuant)")
     if quantization in INT8_MODES:
         logger.info("quantized %d decoder linears to %s", quantize_linears(model, quantization),
                     quantization)

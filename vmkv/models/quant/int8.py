@@ -11,7 +11,9 @@ quantised to int8 at load, the LM head and the norms kept in the engine's dtype.
     w8a8   per output channel, ``w[n] = s[n] q[n]``, as torch int8 ``[N, K]``; activations
            quantised per token to int8 (s_t = max|x[t]| / 127) and multiplied by torch's
            ``_int_mm`` (int8 x int8 -> int32), rescaled by s_t s[n]: the dynamic W8A8 scheme of
-           vLLM's CPU backend (``_int_mm`` takes one scale per output, not per block)
+           vLLM's CPU backend (``_int_mm`` takes one scale per output, not per block); the
+           loader smooths the activations' outlier channels into the weights first
+           (:mod:`vmkv.models.quant.smooth`)
 
 Why these kernels, measured on the 2-core Zen 4 EPYC (one gate|up projection, 3072 x 576):
 torch's weight-only ``_weight_int8pack_mm`` took 4.3 ms for one float32 row and 111 us for one
