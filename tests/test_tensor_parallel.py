@@ -351,6 +351,17 @@ def test_a_hung_worker_fails_the_engine_after_the_timeout(gqa_model: Path) -> No
     assert time.monotonic() - closing < 5 and not _alive(worker.pid)
 
 
+def _serve_one_request(engine: LLMEngine) -> None:
+    """One greedy request through ``engine`` to its 12 tokens, then close it."""
+    try:
+        engine.add_request("r", list(range(30, 50)), GREEDY)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        assert len(outs[0].outputs[0].token_ids) == 12
+    finally:
+        engine.close()
+
+
 def test_a_failed_rendezvous_leaves_the_process_able_to_start_an_engine(
         gqa_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank 0 whose other rank never came fails its rendezvous; the next engine of the
@@ -364,14 +375,7 @@ def test_a_failed_rendezvous_leaves_the_process_able_to_start_an_engine(
     with pytest.raises(dist.DistStoreError):
         collectives.init_tensor_parallel(0, 2, "", "cpu", 0.5, store=dist.HashStore())
     monkeypatch.undo()
-    engine = LLMEngine(_config(gqa_model, "paged", 2, distributed_timeout=5))
-    try:
-        engine.add_request("r", list(range(30, 50)), GREEDY)
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-        assert len(outs[0].outputs[0].token_ids) == 12
-    finally:
-        engine.close()
+    _serve_one_request(LLMEngine(_config(gqa_model, "paged", 2, distributed_timeout=5)))
 
 
 def test_an_outside_worker_joins_through_env(gqa_model: Path,
@@ -387,14 +391,7 @@ def test_an_outside_worker_joins_through_env(gqa_model: Path,
     try:
         config = _config(gqa_model, "paged", 2, tp_local_ranks=1,
                          distributed_init_method="env://")
-        engine = LLMEngine(config)
-        try:
-            engine.add_request("r", list(range(30, 50)), GREEDY)
-            while engine.has_unfinished_requests():
-                outs = engine.step()
-            assert len(outs[0].outputs[0].token_ids) == 12
-        finally:
-            engine.close()
+        _serve_one_request(LLMEngine(config))
         assert worker.wait(30) == 0
     finally:
         worker.kill()
