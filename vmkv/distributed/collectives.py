@@ -1,6 +1,6 @@
 """The tensor-parallel process groups of this process, and the one collective the model uses.
 
-    init_tensor_parallel(rank, size, init_method, device, timeout, store=None)
+    init_tensor_parallel(rank, size, init_method, device, timeout)
         compute group: gloo on CPU / NCCL on CUDA, ``timeout`` per collective (the default
                        group, joined first, only meets the ranks)
         control group: gloo, for step messages from rank 0 (workers wait idle without a
@@ -8,7 +8,6 @@
     all_reduce(x)   sum over the ranks; ``vmkv::all_reduce`` under torch.compile (opaque);
                     skipped inside ``local_only()`` (warm-up)
     close_tensor_parallel()
-    local_store(size, timeout)      rank 0's rendezvous store, at a port the OS assigns
 
 One tensor-parallel engine per process: its groups are process state, as torch.distributed's
 default group is. Rank 0 is the engine; ranks 1..N-1 are workers (:mod:`vmkv.distributed.worker`).
@@ -49,11 +48,10 @@ _local = False  # inside local_only(): collectives skipped
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
-                         timeout: float, store: dist.Store | None = None) -> TensorParallelGroup:
+                         timeout: float) -> TensorParallelGroup:
     """Join the ``size`` ranks at ``init_method`` (``tcp://host:port`` or ``env://``) as
-    ``rank``, or through ``store`` (rank 0's own store, see :func:`local_store`); returns the
-    groups. RuntimeError if this process already has a group, or torch.distributed's own error
-    when the rendezvous fails or times out.
+    ``rank``; returns the groups. RuntimeError if this process already has a group, or
+    torch.distributed's own error when the rendezvous fails or times out.
 
     The rendezvous waits at least :data:`RENDEZVOUS_TIMEOUT` seconds for the other ranks (a
     worker still starting its interpreter on a busy machine is not a hung one); ``timeout``
@@ -65,12 +63,10 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL, Triton and graphs use the current device
-    if store is not None:  # the prefix torch gives a store it makes from init_method
-        store = dist.PrefixStore("default_pg", store)
     try:
-        dist.init_process_group(backend, init_method=None if store else init_method,
-                                store=store, rank=rank, world_size=size,
-                                timeout=rendezvous_timeout(timeout))
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=max(timeout,
+                                                                       RENDEZVOUS_TIMEOUT)))
     except BaseException:
         _forget_failed_group()
         raise
@@ -80,12 +76,6 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     return _group
 
 
-def rendezvous_timeout(timeout: float) -> datetime.timedelta:
-    """How long the ranks wait for each other to join: ``timeout``, at least
-    :data:`RENDEZVOUS_TIMEOUT`."""
-    return datetime.timedelta(seconds=max(timeout, RENDEZVOUS_TIMEOUT))
-
-
 def _forget_failed_group() -> None:
     """torch counts a default group whose rendezvous failed, and the count names the store keys
     of this process's next groups: a later engine's rank 0 would wait for keys its fresh
@@ -93,15 +83,6 @@ def _forget_failed_group() -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if not dist.is_initialized() and world is not None and hasattr(world, "group_count"):
         world.group_count = 0
-
-
-def local_store(size: int, timeout: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on 127.0.0.1 at a port the OS assigns and the store holds from
-    then on; the other ranks join at ``tcp://127.0.0.1:<its .port>``. (A port found free by
-    bind-and-close and bound later could be taken meanwhile, e.g. by another engine starting
-    at the same time, whose ranks would then meet this one's.)"""
-    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                         timeout=rendezvous_timeout(timeout))
 
 
 def tensor_parallel_group() -> TensorParallelGroup | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -39,7 +40,6 @@ from vmkv.distributed.collectives import (
     close_tensor_parallel,
     gather_messages,
     init_tensor_parallel,
-    local_store,
 )
 from vmkv.distributed.kv_checks import KVDivergedError, agree_vma_budget, kv_digest
 from vmkv.distributed.messages import StepMessage
@@ -67,6 +67,13 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung past the collective timeout, or diverged."""
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class TensorParallelExecutor(RankZeroExecutor):
     """Rank 0 of ``settings.tensor_parallel_size`` ranks (see the module docstring).
 
@@ -74,8 +81,7 @@ class TensorParallelExecutor(RankZeroExecutor):
         settings: how every rank builds its worker (sent to the other ranks at start-up).
         local_ranks: ranks this machine starts (0 .. local_ranks-1); the others join with
             ``vmkv tp-worker``.
-        init_method: the torch.distributed rendezvous (None: rank 0's own store on 127.0.0.1,
-            at a port the OS assigns).
+        init_method: the torch.distributed rendezvous (None: a free port on 127.0.0.1).
         timeout: seconds a collective waits for a rank before the engine fails.
         check: compare every rank's KV manager with rank 0's after every step (``--tp-check``).
     """
@@ -98,8 +104,7 @@ class TensorParallelExecutor(RankZeroExecutor):
         self.timeout = float(timeout)
         self._threads_before = torch.get_num_threads()  # restored by close()
         self._last_message = time.monotonic()
-        store = None if init_method else local_store(size, timeout)
-        init_method = init_method or f"tcp://127.0.0.1:{store.port}"
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // local)
         self.workers: dict[int, subprocess.Popen] = {}  # rank -> process
         try:
@@ -112,7 +117,7 @@ class TensorParallelExecutor(RankZeroExecutor):
             if settings.device == "cpu":
                 torch.set_num_threads(threads)
             init_tensor_parallel(0, size, init_method, rank_device(settings.device, 0),
-                                 timeout, store=store)
+                                 timeout)
             broadcast_message(settings, STARTUP_TIMEOUT)
             self._worker = Worker(settings)  # the workers build theirs meanwhile
             self._wait_ready(self._worker)

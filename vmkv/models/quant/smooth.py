@@ -113,11 +113,13 @@ def smooth_layer(layer: nn.Module, stats: Stats, index: int, alpha: float = ALPH
     for norm, linear, name in ((layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"),
                                (layer.post_attention_layernorm, mlp.gate_up_proj,
                                 "mlp.gate_up_proj")):
-        s = factors(stats[(index, name)], linear.weight.float().abs().amax(dim=0))  # [hidden]
+        s = factors(stats[(index, name)], linear.weight.float().abs().amax(dim=0),
+                    alpha)  # [hidden]
         _scale(norm.weight, 1 / s)
         _scale(linear.weight, s)  # [N, hidden] columns
     inter = mlp.down_proj.in_features
-    s = factors(stats[(index, "mlp.down_proj")], mlp.down_proj.weight.float().abs().amax(dim=0))
+    s = factors(stats[(index, "mlp.down_proj")], mlp.down_proj.weight.float().abs().amax(dim=0),
+                alpha)
     _scale(mlp.gate_up_proj.weight[inter:], 1 / s[:, None])  # up's rows
     if mlp.gate_up_proj.bias is not None:
         _scale(mlp.gate_up_proj.bias[inter:], 1 / s)
@@ -126,7 +128,7 @@ def smooth_layer(layer: nn.Module, stats: Stats, index: int, alpha: float = ALPH
     group = heads // kv_heads
     x_max = stats[(index, "self_attn.o_proj")].view(kv_heads, group, d).amax(dim=1)
     w_max = attn.o_proj.weight.float().abs().amax(dim=0).view(kv_heads, group, d).amax(dim=1)
-    s = factors(x_max, w_max)  # [kv_heads, D]
+    s = factors(x_max, w_max, alpha)  # [kv_heads, D]
     v_rows = slice((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)
     _scale(attn.qkv_proj.weight[v_rows], 1 / s.reshape(-1, 1))
     if attn.qkv_proj.bias is not None:
