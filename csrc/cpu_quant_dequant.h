@@ -46,7 +46,7 @@ inline void dequant_group(const uint8_t* rec, int64_t nb, bf16* tile, int64_t ld
   for (int64_t b = 0; b < nb; ++b, rec += kRecord<F>) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(rec + kDOffset<F>)));
-    const __m512 off = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+    const __m512 off = kMin<F> ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                         reinterpret_cast<const __m256i*>(rec + kDOffset<F> + 32)))
                                   : _mm512_mul_ps(d, _mm512_set1_ps(-kZero<F>));
     const int64_t k = b * kBlock;
@@ -82,6 +82,7 @@ inline bool dequant_group(int32_t format, const uint8_t* rec, int64_t nb, bf16* 
     case kQ4_1: dequant_group<kQ4_1>(rec, nb, tile, ldt, col); return true;
     case kQ5_0: dequant_group<kQ5_0>(rec, nb, tile, ldt, col); return true;
     case kQ8_0: dequant_group<kQ8_0>(rec, nb, tile, ldt, col); return true;
+    case kU8: dequant_group<kU8>(rec, nb, tile, ldt, col); return true;
     default: return false;
   }
 }

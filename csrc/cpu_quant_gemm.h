@@ -1,5 +1,5 @@
-// Products of activations with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0) on their
-// packed blocks, with integer dot products: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw +
+// Products of activations with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0) and vmkv's
+// own asymmetric U8 (--quantization int8) on their packed blocks, with integer dot products: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw +
 // vpmaddwd), or portable loops. Header-only, no torch; used by csrc/cpu_quant_layer.cpp.
 //
 // Activations are quantised per block of 32 to 15-bit integers a = round(x / d), d = max|x| /
@@ -20,16 +20,17 @@
 //           4j + e (low nibble) and 16 + 4j + e (high nibble): GGUF's own nibble pairing
 //           (element i with i + 16), so packing is a transpose of whole bytes.
 //           Q8_0: 8 loads of 64 bytes, byte 4r + e of load j = row r's element 4j + e, plus 128
-//           (unsigned, as vpdpbusd's unsigned operand wants it).
+//           (unsigned, as vpdpbusd's unsigned operand wants it). U8: the same, its codes as they
+//           are (already unsigned).
 //   hbits   Q5_0 only: 8 little-endian 64-bit masks, mask g bit 4r + e = the fifth bit of row r's
 //           element 4g + e (g < 4: the low nibbles of load g; g >= 4: the high nibbles of g - 4).
 //   d       16 fp16 scales, one per row.
-//   m       Q4_1 only: 16 fp16 minimums.
+//   m       Q4_1 and U8 only: 16 fp16 minimums.
 //
 // The value of a weight is d * (u - Z) with u its unsigned code and Z = 8 (Q4_0), 16 (Q5_0),
-// 128 (Q8_0), or d * u + m (Q4_1). A block's contribution to output row n is therefore
+// 128 (Q8_0), or d * u + m (Q4_1, U8). A block's contribution to output row n is therefore
 //   symmetric:  d_w * d_a * (sum u * q  -  Z * sum q)       (the integer part exact)
-//   Q4_1:       d_w * d_a * (sum u * q)  +  m_w * (d_a * sum q)
+//   Q4_1, U8:   d_w * d_a * (sum u * q)  +  m_w * (d_a * sum q)
 // with q the activation's integer codes and d_a its scale. A group of 16 rows is one vector of int32
 // dot products, then of float32 sums: no horizontal reduction anywhere. Every build (AVX-512,
 // AVX2, portable) quantises activations identically and sums each row's blocks in the same order
@@ -47,14 +48,16 @@ namespace vmkv::quant {
 constexpr int64_t kBlock = 32;  // inputs per quant block
 constexpr int64_t kGroup = 16;  // output rows per packed group
 
-// The formats; the values are GGML's type ids (gguf.GGMLQuantizationType).
-enum Format : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8 };
+// The formats; the values are GGML's type ids (gguf.GGMLQuantizationType), but U8's: vmkv's own
+// asymmetric 8-bit block (d | m | 32 unsigned codes, value d * u + m), no GGUF type.
+enum Format : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kU8 = 100 };
 
-template <Format F> constexpr bool kFour = F != kQ8_0;            // 4-bit codes (+ hbits)
+template <Format F> constexpr bool kFour = F != kQ8_0 && F != kU8;  // 4-bit codes (+ hbits)
+template <Format F> constexpr bool kMin = F == kQ4_1 || F == kU8;   // d * u + m
 template <Format F> constexpr int64_t kCodeBytes = kFour<F> ? 256 : 512;
 template <Format F> constexpr int64_t kHbitBytes = F == kQ5_0 ? 64 : 0;
 template <Format F> constexpr int64_t kDOffset = kCodeBytes<F> + kHbitBytes<F>;
-template <Format F> constexpr int64_t kRecord = kDOffset<F> + (F == kQ4_1 ? 64 : 32);
+template <Format F> constexpr int64_t kRecord = kDOffset<F> + (kMin<F> ? 64 : 32);
 template <Format F> constexpr int32_t kZero = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ8_0 ? 128 : 0;
 
 inline int64_t record_bytes(int32_t format) {
@@ -63,6 +66,7 @@ inline int64_t record_bytes(int32_t format) {
     case kQ4_1: return kRecord<kQ4_1>;
     case kQ5_0: return kRecord<kQ5_0>;
     case kQ8_0: return kRecord<kQ8_0>;
+    case kU8: return kRecord<kU8>;
     default: return 0;
   }
 }
@@ -245,7 +249,7 @@ inline void group_rows(const uint8_t* rec, int64_t nb, const QActs& a, int64_t r
       const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh[r], 7), dl[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])),
                                acc[r]);
-      if constexpr (F == kQ4_1) {
+      if constexpr (kMin<F>) {
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(rec + kDOffset<F> + 32)));
         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
@@ -277,9 +281,10 @@ inline __m256i dot4(__m256i u_lo, __m256i q_lo, __m256i u_hi, __m256i q_hi) {
 }
 
 // The AVX-512 kernel's arithmetic on 8 rows at a time (the group's halves): the same integer dot
-// products and the same float32 operations per row. Q8_0's codes are centred (u - 128, signed)
-// and multiplied as |w| times q with w's sign (vpmaddubsw cannot take 255 x 127 pairs), so its
-// products need no - Z z.
+// products and the same float32 operations per row. 8-bit codes are centred (u - 128, signed)
+// and multiplied as |w| times q with w's sign (vpmaddubsw cannot take 255 x 127 pairs; |w| <= 128
+// and |q| <= 127 keep a pair's sum under 2^15), so Q8_0's products need no - Z z and U8's add
+// 128 z back.
 template <Format F, int R>
 inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t r0, float* c,
                        int64_t ldc) {
@@ -294,8 +299,9 @@ inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t 
       const int8_t *ah[R], *al[R];
       for (int r = 0; r < R; ++r) {
         dh[r] = _mm256_setzero_si256();
-        dl[r] = kFour<F> ? _mm256_set1_epi32(-kZero<F> * a.z[(r0 + r) * nbk + b])
-                         : _mm256_setzero_si256();
+        // 8-bit codes are multiplied centred (u - 128): 128 z puts back what Z does not take
+        dl[r] = _mm256_set1_epi32((kFour<F> ? -kZero<F> : 128 - kZero<F>) *
+                                  a.z[(r0 + r) * nbk + b]);
         ah[r] = a.hi + (r0 + r) * a.k + b * kBlock;
         al[r] = a.lo + (r0 + r) * a.k + b * kBlock;
       }
@@ -341,7 +347,7 @@ inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t 
         const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dh[r], 7), dl[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                  _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])), acc[r]);
-        if constexpr (F == kQ4_1) {
+        if constexpr (kMin<F>) {
           const __m256 mw = _mm256_cvtph_ps(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kDOffset<F> + 32 + 16 * h)));
           acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r]);
@@ -388,7 +394,7 @@ inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t 
         uint16_t h;
         std::memcpy(&h, rec + kDOffset<F> + 2 * n, sizeof(h));
         acc = std::fma(static_cast<float>(dot), half_to_float(h) * a.d[i], acc);
-        if constexpr (F == kQ4_1) {
+        if constexpr (kMin<F>) {
           std::memcpy(&h, rec + kDOffset<F> + 32 + 2 * n, sizeof(h));
           acc = std::fma(half_to_float(h), a.s[i], acc);
         }
@@ -426,6 +432,7 @@ inline bool group_product(int32_t format, const uint8_t* group, int64_t nb, cons
     case kQ4_1: group_product<kQ4_1>(group, nb, a, r0, rows, c, ldc); return true;
     case kQ5_0: group_product<kQ5_0>(group, nb, a, r0, rows, c, ldc); return true;
     case kQ8_0: group_product<kQ8_0>(group, nb, a, r0, rows, c, ldc); return true;
+    case kU8: group_product<kU8>(group, nb, a, r0, rows, c, ldc); return true;
     default: return false;
   }
 }
@@ -448,7 +455,7 @@ inline float weight_at(const uint8_t* rec, int64_t n, int64_t e) {
   uint16_t h;
   std::memcpy(&h, rec + kDOffset<F> + 2 * n, sizeof(h));
   const float d = half_to_float(h);
-  if constexpr (F == kQ4_1) {
+  if constexpr (kMin<F>) {
     std::memcpy(&h, rec + kDOffset<F> + 32 + 2 * n, sizeof(h));
     return d * static_cast<float>(u) + half_to_float(h);
   }
@@ -460,6 +467,7 @@ inline float weight_at(int32_t format, const uint8_t* rec, int64_t n, int64_t e)
     case kQ4_0: return weight_at<kQ4_0>(rec, n, e);
     case kQ4_1: return weight_at<kQ4_1>(rec, n, e);
     case kQ5_0: return weight_at<kQ5_0>(rec, n, e);
+    case kU8: return weight_at<kU8>(rec, n, e);
     default: return weight_at<kQ8_0>(rec, n, e);
   }
 }

@@ -50,7 +50,7 @@ extern "C" {
 struct VmkvQSegment {
   const void* packed;
   int64_t rows;
-  int32_t format;  // a GGML type id: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0
+  int32_t format;  // a GGML type id: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0; or 100 U8 (vmkv's int8)
   int32_t reserved;
 };
 

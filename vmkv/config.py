@@ -149,7 +149,8 @@ class EngineConfig:
     quantization: str | None = option(
         None, "weight format: gguf (a GGUF model's linears in the file's own block formats, "
         "Q8_0/Q4_0/Q4_1/Q5_0, on the CPU's integer dot products), none (dequantized to --dtype "
-        "at load), int8 (int8 weights per block of 32, activations in --dtype) or w8a8 "
+        "at load), int8 (8-bit weights per block of 32 with a scale and a minimum, "
+        "activations in --dtype) or w8a8 "
         "(int8 weights per output channel, activations quantised per token), any model; "
         "auto: gguf for a GGUF model on the CPU where its kernels run, none otherwise "
         "(docs/models.md); default: "

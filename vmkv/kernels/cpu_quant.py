@@ -4,8 +4,9 @@
     embed(ids, W)       the rows ``ids`` of an embedding table kept in its blocks
     attn_in / attn_out  the fused decoder layer's two calls (vmkv.models.fused_layers)
 
-Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0), rearranged at load into groups of
-16 output rows (:mod:`vmkv.models.quant.packing`: the same bytes); each product quantises its
+Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0; U8 for ``--quantization int8``),
+rearranged at load into groups of 16 output rows (:mod:`vmkv.models.quant.packing`: the same
+bytes); each product quantises its
 activations per block of 32 to int8 and sums integer dot products (AVX-512 VNNI, AVX2, or
 portable loops: the compiler's choice by ``-march``; every build gives the same bits). From
 :data:`TILE_ROWS` rows of bfloat16 activations on (prefill, wide batches), where oneDNN's bf16

@@ -83,7 +83,8 @@ class GGUFWeights:
 
     def native(self, name: str) -> bool:
         """Whether ``name`` is in a block format the quantized kernels take."""
-        return int(self._tensor(name).tensor_type) in FORMATS
+        fmt = FORMATS.get(int(self._tensor(name).tensor_type))
+        return fmt is not None and fmt.gguf
 
     def quantized(self, name: str, rows: np.ndarray | None = None) -> QuantTensor:
         """``name`` packed in its block format (``rows``: the file rows to take, in order)."""
