@@ -4,11 +4,12 @@ the comparison issue 54 asks for before writing kernels of our own.
     python benchmarks/int8_kernels.py [--rows 1,8,32,64,256] [--json PATH]
 
 One decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate|up
-3072 x 576, down 576 x 1536), per-output-channel int8 weights, bfloat16 activations, 2 threads
-(OMP_NUM_THREADS). Per row count the median time of the four products, each in its own way:
+3072 x 576, down 576 x 1536), int8 weights (per output channel; vmkv-int8 per block of 32),
+bfloat16 activations, 2 threads (OMP_NUM_THREADS). Per row count the median time of the four
+products, each in its own way:
 
     dense-bf16     the bf16 weights on vmkv's brgemm linear (``--quantization none``'s path)
-    vmkv-int8      vmkv's integer products on the same int8 codes in Q8_0 layout
+    vmkv-int8      vmkv's integer products on the weight's U8 blocks (per block of 32: d u + m)
                    (``--quantization int8``; 16+ rows: dequantized bf16 tiles on the ukernel)
     torch-int8pack torch's weight-only int8 GEMM, ``aten._weight_int8pack_mm`` (bf16 x int8)
     torch-w8a8     activations quantised per token to int8, ``torch._int_mm`` (int8 x int8 ->

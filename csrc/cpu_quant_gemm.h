@@ -1,6 +1,6 @@
 // Products of activations with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0) and vmkv's
-// own asymmetric U8 (--quantization int8) on their packed blocks, with integer dot products: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw +
-// vpmaddwd), or portable loops. Header-only, no torch; used by csrc/cpu_quant_layer.cpp.
+// own asymmetric U8 (--quantization int8) on their packed blocks, with integer dot products:
+// AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd), or portable loops. Header-only, no torch; used by csrc/cpu_quant_layer.cpp.
 //
 // Activations are quantised per block of 32 to 15-bit integers a = round(x / d), d = max|x| /
 // 16256, held as two int8 bytes a = 128 hi + lo (hi in [-127, 127], lo in [-64, 63]), so each

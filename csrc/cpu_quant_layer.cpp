@@ -1,7 +1,8 @@
-// Linears and decoder layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0), served as
-// the file holds them: the products are csrc/cpu_quant_gemm.h's integer dot products on the
-// packed blocks with the activations quantised per block of 32 to int8; everything else is the
-// fused layers' elementwise work (csrc/cpu_layer_ops.h), in float32 or bfloat16 activations:
+// Linears and decoder layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0; and vmkv's
+// U8 blocks for --quantization int8), served as the file holds them: the products are
+// csrc/cpu_quant_gemm.h's integer dot products on the packed blocks with the activations
+// quantised per block of 32 to int8; everything else is the fused layers' elementwise work
+// (csrc/cpu_layer_ops.h), in float32 or bfloat16 activations:
 //
 //   vmkv_q{f32,bf16}_linear:    out = a W^T (+ b), float32 or the activations' type (LM head,
 //                               any quantized linear)

@@ -284,10 +284,14 @@ def test_int8_weights(tmp_path) -> None:  # noqa: ANN001
     assert codes.abs().max() <= 127 and scale.dtype == torch.float16
     t = int8_tensor(w)
     assert t.ggml_type == U8 and t.nbytes == 48 * 2 * 36
-    raw = unpack(t.packed, U8, t.rows, t.in_features)
-    step = torch.from_numpy(raw.reshape(48, 2, 36)[..., 0:2].copy().view(np.float16)).float()
-    error = (u8_dequantize(raw, 64) - w).abs().reshape(48, 2, 32)  # [rows, blocks, 32]
-    assert (error <= 0.5 * step * (1 + 1e-3)).all()
+    # fp16 would round these blocks' minimum up (1.0) and their step down (a subnormal)
+    edges = torch.stack([torch.linspace(0.9999, 1.01, 32), torch.linspace(0.1, 0.1009, 32)])
+    for weight, raw in ((w, unpack(t.packed, U8, t.rows, t.in_features)),
+                        (edges, u8_blocks(edges))):
+        rows, blocks = weight.shape[0], weight.shape[1] // 32
+        step = torch.from_numpy(raw.reshape(rows, blocks, 36)[..., 0:2].copy().view(np.float16))
+        error = (u8_dequantize(raw, weight.shape[1]) - weight).abs().reshape(rows, blocks, 32)
+        assert (error <= 0.5 * step.float() * (1 + 1e-3)).all()  # within half a step
     off_centre = torch.rand(16, 32, generator=torch.Generator().manual_seed(0)) * 0.1 + 0.02
     sym_codes, sym_scale = channel_int8(off_centre)  # Q8_0 of each row: one block of 32
     sym_error = (sym_codes.float() * sym_scale.float()[:, None] - off_centre).abs().max()

@@ -49,7 +49,8 @@ def channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def u8_blocks(weight: torch.Tensor) -> np.ndarray:
     """``weight [N, K]`` (K a multiple of 32) -> U8 blocks ``uint8 [N, K / 32 * 36]``: per block
     fp16 d, fp16 m, then 32 codes ``u = round((w - m) / d)`` in [0, 255] (see the module
-    docstring); ValueError for a weight fp16 cannot scale."""
+    docstring; m rounded down and d up to fp16, so every weight lies within half a step of its
+    code's value); ValueError for a weight fp16 cannot scale."""
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"int8 weights need in_features divisible by {BLOCK}, got {k}")
@@ -57,14 +58,18 @@ def u8_blocks(weight: torch.Tensor) -> np.ndarray:
     if not torch.isfinite(w).all() or w.abs().max() > torch.finfo(torch.float16).max:
         raise ValueError("int8 weights keep fp16 scales: every weight must be finite and within "
                          f"+-{torch.finfo(torch.float16).max:g}")
-    m = w.amin(dim=-1, keepdim=True).to(torch.float16)  # [N, blocks, 1]
-    d = ((w.amax(dim=-1, keepdim=True) - m.float()) / 255).to(torch.float16)
-    df = d.float()
-    codes = torch.round((w - m.float()) / torch.where(df > 0, df, 1)).clamp(0, 255)
+    low, high = w.amin(dim=-1, keepdim=True).numpy(), w.amax(dim=-1, keepdim=True).numpy()
+    m = low.astype(np.float16)  # [N, blocks, 1], rounded down: no weight below d * 0 + m
+    m = np.where(m.astype(np.float32) > low, np.nextafter(m, np.float16(-np.inf)), m)
+    span = high - m.astype(np.float32)
+    d = (span / 255).astype(np.float16)  # rounded up: no weight above d * 255 + m
+    d = np.where(255 * d.astype(np.float32) < span, np.nextafter(d, np.float16(np.inf)), d)
+    df = torch.from_numpy(d.astype(np.float32))
+    codes = torch.round((w - torch.from_numpy(m.astype(np.float32))) / torch.where(df > 0, df, 1))
     raw = np.empty((n, k // BLOCK, 36), dtype=np.uint8)
-    raw[..., 0:2] = d.numpy().view(np.uint8)
-    raw[..., 2:4] = m.numpy().view(np.uint8)
-    raw[..., 4:] = torch.where(df > 0, codes, 0).to(torch.uint8).numpy()
+    raw[..., 0:2] = d.view(np.uint8)
+    raw[..., 2:4] = m.view(np.uint8)
+    raw[..., 4:] = torch.where(df > 0, codes.clamp(0, 255), 0).to(torch.uint8).numpy()
     return raw.reshape(n, -1)
 
 

@@ -27,7 +27,7 @@ class QuantTensor:
     ggml_type: int
     rows: int
     in_features: int
-    origin: str = "gguf"  # "gguf": a file's tensor; "int8": quantized at load per channel
+    origin: str = "gguf"  # "gguf": a file's tensor; "int8": quantized at load (U8 blocks)
 
     @classmethod
     def from_gguf(cls, raw, ggml_type: int, in_features: int) -> QuantTensor:
@@ -74,7 +74,7 @@ class QuantLinear(nn.Module):
 
     @property
     def formats(self) -> tuple[str, ...]:
-        """Each segment's format (``int8`` for weights quantized at load per channel)."""
+        """Each segment's format (``int8`` for weights quantized at load)."""
         return tuple(s.format if s.origin == "gguf" else s.origin for s in self.segments)
 
     @torch.compiler.disable
