@@ -7,7 +7,7 @@ quantised to int8 at load, the LM head and the norms kept in the engine's dtype.
            one-user decode loop and the prefill tiles run on it; activations as those kernels
            take them. The minimum costs 2 bytes a block (36 against Q8_0's 34) and spends all
            256 levels on the block's own range: on the default model (whose weights came from a
-           Q4_1 file, 16 levels a block) 99.7 % of 2,044 teacher-forced top-1 tokens of the
+           Q4_1 file, 16 levels a block) 99.6 % of 2,044 teacher-forced top-1 tokens of the
            float32 model against 97.5 % for the symmetric Q8_0 grid (s = max|w| / 127) and
            96.3 % for one scale per output channel (docs/models.md, "Quantized weights")
     w8a8   per output channel, ``w[n] = s[n] q[n]``, as torch int8 ``[N, K]``; activations
