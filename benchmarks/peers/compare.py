@@ -17,6 +17,7 @@ float32|bfloat16``; OpenVINO ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISI
 ``KV_CACHE_PRECISION u8``, vmkv ``--kv-cache-dtype int8``), ``openvino-default`` (no precision
 hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvino-int4`` (the
 exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV;
+float32 both on a CPU without bf16 hardware, where OpenVINO's paged attention takes no other;
 ``openvino-int4kv8``: the int4 export over a u8 KV cache) and
 ``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
 own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
@@ -246,9 +247,22 @@ def peer_result(log: Path) -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
 
 
+def peer_flag(engine: Engine) -> str:
+    """How ``engine``'s family spells its precision on this CPU: OpenVINO's int8 and int4
+    exports run bf16 activations where the CPU has bf16 hardware and float32 elsewhere (its AVX2
+    paged attention takes only a float32 cache, "all_of(f32, key_cache_type,
+    value_cache_type)", and float32 is its own choice there)."""
+    from vmkv.cpu_info import bf16_hardware
+
+    flag = PRECISION_FLAGS[engine.family][engine.precision]
+    if engine.family == "openvino" and engine.precision in ("int8", "int4") and not bf16_hardware():
+        return "f32"
+    return flag
+
+
 def run_peer(engine: Engine, setup: Setup, workload: str, log: Path) -> dict[str, Any]:
     """One fresh process of a peer on ``workload``; its ``PEER_RESULT`` and environment."""
-    flag = PRECISION_FLAGS[engine.family][engine.precision]
+    flag = peer_flag(engine)
     if engine.family == "vllm":
         cmd = [str(setup.vllm_python), str(HERE / "vllm_offline.py"), setup.model, workload,
                "--dtype", flag, "--warmup", str(setup.warmup),
