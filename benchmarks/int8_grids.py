@@ -32,9 +32,10 @@ GRIDS = ("sym", "asym", "gptq")
 
 def symmetric(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` rounded to Q8_0's grid: per block of 32, ``s q``, s = fp16(max|w| / 127)."""
-    b = w.float().reshape(w.shape[0], -1, 32)
-    s = (b.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
-    return (torch.round(b / torch.where(s > 0, s, 1)).clamp(-127, 127) * s).reshape(w.shape)
+    from vmkv.models.quant.int8 import channel_int8
+
+    codes, scale = channel_int8(w.reshape(-1, 32))  # a block per row
+    return (codes.float() * scale.float()[:, None]).reshape(w.shape)
 
 
 def asymmetric(w: torch.Tensor) -> torch.Tensor:

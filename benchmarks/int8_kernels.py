@@ -42,7 +42,7 @@ from vmkv.kernels import cpu_bf16
 from vmkv.models.quant.int8 import W8A8Linear, channel_int8, int8_tensor
 from vmkv.models.quant.modules import QuantLinear, QuantTensor
 
-Q8_0 = 8  # GGML's type id
+Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 

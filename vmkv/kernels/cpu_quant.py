@@ -6,15 +6,14 @@
 
 Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0; U8 for ``--quantization int8``),
 rearranged at load into groups of 16 output rows (:mod:`vmkv.models.quant.packing`: the same
-bytes); each product quantises its
-activations per block of 32 to int8 and sums integer dot products (AVX-512 VNNI, AVX2, or
-portable loops: the compiler's choice by ``-march``; every build gives the same bits). From
-:data:`TILE_ROWS` rows of bfloat16 activations on (prefill, wide batches), where oneDNN's bf16
-brgemm ukernel runs (:mod:`vmkv.kernels.cpu_bf16`), a product instead dequantizes each block of
-32 output rows once into a bf16 tile and multiplies it on the ukernel. Built
-like the other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the library cannot
-be built, :func:`available` is False (one warning line says why) and a GGUF model is dequantized
-at load instead (``--quantization none``).
+bytes); each product quantises its activations per block of 32 to int8 and sums integer dot
+products (AVX-512 VNNI, AVX2, or portable loops: the compiler's choice by ``-march``; every
+build gives the same bits). From :data:`TILE_ROWS` rows of bfloat16 activations on (prefill,
+wide batches), where oneDNN's bf16 brgemm ukernel runs (:mod:`vmkv.kernels.cpu_bf16`), a product
+instead dequantizes each block of 32 output rows once into a bf16 tile and multiplies it on the
+ukernel. Built like the other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the
+library cannot be built, :func:`available` is False (one warning line says why) and a GGUF model
+is dequantized at load instead (``--quantization none``).
 """
 
 from __future__ import annotations

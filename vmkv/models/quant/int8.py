@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from vmkv.models.quant.modules import QuantLinear, QuantTensor
-from vmkv.models.quant.packing import BLOCK, U8
+from vmkv.models.quant.packing import BLOCK, U8, pack
 
 INT8_MODES = ("int8", "w8a8")
 
@@ -54,22 +54,22 @@ def u8_blocks(weight: torch.Tensor) -> np.ndarray:
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"int8 weights need in_features divisible by {BLOCK}, got {k}")
-    w = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)  # [N, blocks, 32]
-    if not torch.isfinite(w).all() or w.abs().max() > torch.finfo(torch.float16).max:
+    w = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK).numpy()  # [N, blocks, 32]
+    if not np.isfinite(w).all() or np.abs(w).max() > np.finfo(np.float16).max:
         raise ValueError("int8 weights keep fp16 scales: every weight must be finite and within "
-                         f"+-{torch.finfo(torch.float16).max:g}")
-    low, high = w.amin(dim=-1, keepdim=True).numpy(), w.amax(dim=-1, keepdim=True).numpy()
+                         f"+-{np.finfo(np.float16).max:g}")
+    low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
     m = low.astype(np.float16)  # [N, blocks, 1], rounded down: no weight below d * 0 + m
     m = np.where(m.astype(np.float32) > low, np.nextafter(m, np.float16(-np.inf)), m)
     span = high - m.astype(np.float32)
     d = (span / 255).astype(np.float16)  # rounded up: no weight above d * 255 + m
     d = np.where(255 * d.astype(np.float32) < span, np.nextafter(d, np.float16(np.inf)), d)
-    df = torch.from_numpy(d.astype(np.float32))
-    codes = torch.round((w - torch.from_numpy(m.astype(np.float32))) / torch.where(df > 0, df, 1))
+    step = d.astype(np.float32)
+    codes = np.rint((w - m.astype(np.float32)) / np.where(step > 0, step, 1))
     raw = np.empty((n, k // BLOCK, 36), dtype=np.uint8)
     raw[..., 0:2] = d.view(np.uint8)
     raw[..., 2:4] = m.view(np.uint8)
-    raw[..., 4:] = torch.where(df > 0, codes.clamp(0, 255), 0).to(torch.uint8).numpy()
+    raw[..., 4:] = np.where(step > 0, codes.clip(0, 255), 0)
     return raw.reshape(n, -1)
 
 
@@ -83,8 +83,8 @@ def u8_dequantize(raw: np.ndarray, in_features: int) -> torch.Tensor:
 
 def int8_tensor(weight: torch.Tensor) -> QuantTensor:
     """``weight [N, K]`` in U8 blocks (:func:`u8_blocks`) as a :class:`QuantTensor`."""
-    packed = QuantTensor.from_gguf(u8_blocks(weight), U8, weight.shape[1])
-    return QuantTensor(packed.packed, U8, weight.shape[0], weight.shape[1], origin="int8")
+    n, k = weight.shape
+    return QuantTensor(pack(u8_blocks(weight), U8, k), U8, n, k, origin="int8")
 
 
 class W8A8Linear(nn.Module):

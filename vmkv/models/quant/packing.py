@@ -42,6 +42,11 @@ class BlockFormat:
     gguf: bool = True  # a GGUF type (U8 is vmkv's own)
 
     @property
+    def minimum(self) -> bool:
+        """Whether a block holds a minimum beside its scale (``d u + m``: Q4_1, U8)."""
+        return self.zero == 0
+
+    @property
     def record_bytes(self) -> int:
         """Packed bytes per group of 16 rows and block of 32 (16 blocks' worth)."""
         return GROUP * self.block_bytes
@@ -88,7 +93,7 @@ def pack(raw: np.ndarray, ggml_type: int, in_features: int) -> torch.Tensor:
         masks = _by_group(bits, groups, blocks, 8, 4).reshape(groups, blocks, 8, 64)
         parts.append(np.packbits(masks, axis=-1, bitorder="little").reshape(groups, blocks, 64))
     parts.append(d)
-    if fmt.name in ("Q4_1", "U8"):
+    if fmt.minimum:
         parts.append(_by_group(b[..., 2:4], groups, blocks, 2).reshape(groups, blocks, 32))
     packed = np.concatenate(parts, axis=-1)
     assert packed.shape[-1] == fmt.record_bytes
@@ -114,7 +119,7 @@ def unpack(packed: torch.Tensor, ggml_type: int, rows: int, in_features: int) ->
     hbits = 64 if fmt.name == "Q5_0" else 0
     d = _from_group(rec[..., codes + hbits : codes + hbits + 32], rows, blocks, 2)
     out = [d]
-    if fmt.name in ("Q4_1", "U8"):
+    if fmt.minimum:
         out.append(_from_group(rec[..., codes + 32 :], rows, blocks, 2))
     if fmt.name == "Q5_0":
         masks = np.unpackbits(rec[..., codes : codes + 64].reshape(groups, blocks, 8, 8),
