@@ -40,6 +40,7 @@
 #include "cpu_lap.h"
 #include "cpu_layer_ops.h"
 #include "cpu_quant_dequant.h"
+#include "cpu_quant_f32_tiles.h"
 #include "cpu_quant_gemm.h"
 #include "cpu_vec.h"
 
@@ -204,6 +205,24 @@ void for_each_group(int64_t m, int64_t groups, Task&& task) {
 
 enum class Store { kRounded, kResidual, kFloat };
 
+// out [rows, N] (row stride ldo), columns n0 .. n0 + cols, from their float32 products
+// c [rows, ldc] (+ bias), stored by S.
+template <Store S, typename T, typename Out>
+void store_rows(const float* c, int64_t ldc, int64_t rows, const T* bias, int64_t n0, int64_t cols,
+                Out* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cr = c + r * ldc;
+    Out* o = out + r * ldo + n0;
+    if constexpr (S == Store::kRounded) {
+      store_rounded(cr, bias, n0, cols, o);
+    } else if constexpr (S == Store::kResidual) {
+      add_rounded(cr, bias, n0, cols, o);
+    } else {
+      for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
+    }
+  }
+}
+
 // The ukernel for many bf16 rows (vmkv_q_set_ukernel; none: the integer products serve every
 // row count).
 struct Ukernel {
@@ -288,17 +307,7 @@ bool tiled_linear(const VmkvQLinear& w, const bf16* x, int64_t ldx, int64_t m, O
     for (int64_t m0 = 0; m0 < m; m0 += kUkRows) {
       const int64_t rows = std::min(kUkRows, m - m0);
       tile_product(x + m0 * ldx, ldx, rows, k, tile, c);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* cr = c + r * kTileCols;
-        Out* o = out + (m0 + r) * ldo + n0;
-        if constexpr (S == Store::kRounded) {
-          store_rounded(cr, bias, n0, cols, o);
-        } else if constexpr (S == Store::kResidual) {
-          add_rounded(cr, bias, n0, cols, o);
-        } else {
-          for (int64_t i = 0; i < cols; ++i) o[i] = cr[i] + bias_at(bias, n0 + i);
-        }
-      }
+      store_rows<S>(c, kTileCols, rows, bias, n0, cols, out + m0 * ldo, ldo);
     }
   });
 }
@@ -327,40 +336,58 @@ bool tiled_gate_up(const VmkvQLinear& w, const bf16* h, int64_t m, int64_t inter
 }
 #endif
 
-// out[m, N] (row stride ldo) from the quantised activations a times w^T, each tile row stored by S.
-template <Store S, typename T, typename Out>
-void linear(const VmkvQLinear& w, const QActs& a, int64_t m, Out* out, int64_t ldo) {
+// c [rows, 16] = activation rows m0 .. m0 + rows times one group: integer products on the
+// activations quantised per block.
+struct IntegerRows {
+  QActs a;
+  int64_t nb;  // records per group
+  void operator()(const GroupRef& ref, int64_t m0, int64_t rows, float* c) const {
+    quant::group_product(ref.format, ref.rec, nb, a, m0, rows, c, kGroup);
+  }
+};
+
+#if defined(VMKV_QUANT_F32_TILES)
+// Float32 products of at least this many rows take the dequantized float32 tiles (0: none;
+// vmkv_q_set_f32_tiles).
+int64_t g_f32_tile_rows = 0;
+
+// The same on float32 activations x (row stride ldx): the group dequantized into the calling
+// thread's float32 tile, then float32 FMAs (csrc/cpu_quant_f32_tiles.h).
+struct TileRows {
+  const float* x;
+  int64_t ldx, k;
+  void operator()(const GroupRef& ref, int64_t m0, int64_t rows, float* c) const {
+    thread_local std::vector<float> tile;
+    if (tile.size() < static_cast<size_t>(k * kGroup)) tile.resize(static_cast<size_t>(k * kGroup));
+    quant::dequant_group_f32(ref.format, ref.rec, k / kBlock, tile.data());
+    quant::tile_product_f32(x + m0 * ldx, ldx, rows, tile.data(), k, c);
+  }
+};
+#endif
+
+// out[m, N] (row stride ldo) = the activations times w^T, group by group through group_rows
+// (IntegerRows or TileRows), each tile row stored by S.
+template <Store S, typename T, typename Out, typename Rows>
+void linear(const VmkvQLinear& w, const Rows& group_rows, int64_t m, Out* out, int64_t ldo) {
   const T* bias = static_cast<const T*>(w.bias);
-  const int64_t nb = w.in_features / kBlock;
   for_each_group(m, num_groups(w), [&](int64_t m0, int64_t rows, int64_t g, float* c) {
     const GroupRef ref = group_ref(w, g);
-    quant::group_product(ref.format, ref.rec, nb, a, m0, rows, c, kGroup);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* cr = c + r * kGroup;
-      Out* o = out + (m0 + r) * ldo + ref.n0;
-      if constexpr (S == Store::kRounded) {
-        store_rounded(cr, bias, ref.n0, ref.cols, o);
-      } else if constexpr (S == Store::kResidual) {
-        add_rounded(cr, bias, ref.n0, ref.cols, o);
-      } else {
-        for (int64_t i = 0; i < ref.cols; ++i) o[i] = cr[i] + bias_at(bias, ref.n0 + i);
-      }
-    }
+    group_rows(ref, m0, rows, c);
+    store_rows<S>(c, kGroup, rows, bias, ref.n0, ref.cols, out + m0 * ldo, ldo);
   });
 }
 
 // act[m, I] = silu(h Wg^T) * (h Wu^T), rounded as transformers does: gate group j and up group
 // j + I / 16 in one task.
-template <typename T>
-void gate_up_act(const VmkvQLinear& w, const QActs& a, int64_t m, int64_t inter, T* act) {
-  const int64_t pairs = inter / kGroup, nb = w.in_features / kBlock;
+template <typename T, typename Rows>
+void gate_up_act(const VmkvQLinear& w, const Rows& group_rows, int64_t m, int64_t inter, T* act) {
+  const int64_t pairs = inter / kGroup;
   const T* bias = static_cast<const T*>(w.bias);
   const T* bias_up = bias != nullptr ? bias + inter : nullptr;
   for_each_group(m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
     float* up = c + rows * kGroup;
-    const GroupRef gate = group_ref(w, j), upr = group_ref(w, pairs + j);
-    quant::group_product(gate.format, gate.rec, nb, a, m0, rows, c, kGroup);
-    quant::group_product(upr.format, upr.rec, nb, a, m0, rows, up, kGroup);
+    group_rows(group_ref(w, j), m0, rows, c);
+    group_rows(group_ref(w, pairs + j), m0, rows, up);
     for (int64_t r = 0; r < rows; ++r) {
       silu_mul_rounded(c + r * kGroup, up + r * kGroup, bias, bias_up, j * kGroup, kGroup,
                        act + (m0 + r) * inter + j * kGroup);
@@ -368,8 +395,20 @@ void gate_up_act(const VmkvQLinear& w, const QActs& a, int64_t m, int64_t inter,
   });
 }
 
-// out [m, N] = x [m, K] (row stride ldx) w^T: dequantized tiles from the ukernel's row count on,
-// else integer products on x quantised per block. False when the ukernel raised.
+// Whether an m-row product on T activations takes the dequantized float32 tiles.
+template <typename T>
+bool f32_tiled(int64_t m) {
+#if defined(VMKV_QUANT_F32_TILES)
+  return std::is_same_v<T, float> && g_f32_tile_rows > 0 && m >= g_f32_tile_rows;
+#else
+  (void)m;
+  return false;
+#endif
+}
+
+// out [m, N] = x [m, K] (row stride ldx) w^T: dequantized tiles from the ukernel's row count on
+// (bf16) or from vmkv_q_set_f32_tiles' (float32, AVX2 builds), else integer products on x
+// quantised per block. False when the ukernel raised.
 template <Store S, typename T, typename Out>
 bool product(const VmkvQLinear& w, const T* x, int64_t ldx, int64_t m, Out* out, int64_t ldo) {
 #if defined(VMKV_QUANT_TILES)
@@ -377,7 +416,16 @@ bool product(const VmkvQLinear& w, const T* x, int64_t ldx, int64_t m, Out* out,
     if (tiled<T>(m)) return tiled_linear<S>(w, x, ldx, m, out, ldo);
   }
 #endif
-  linear<S, T>(w, quantize(x, ldx, m, w.in_features), m, out, ldo);
+#if defined(VMKV_QUANT_F32_TILES)
+  if constexpr (std::is_same_v<T, float>) {
+    if (f32_tiled<T>(m)) {
+      linear<S, T>(w, TileRows{x, ldx, w.in_features}, m, out, ldo);
+      return true;
+    }
+  }
+#endif
+  const IntegerRows rows{quantize(x, ldx, m, w.in_features), w.in_features / kBlock};
+  linear<S, T>(w, rows, m, out, ldo);
   return true;
 }
 
@@ -389,7 +437,16 @@ bool gate_up_product(const VmkvQLinear& w, const T* h, int64_t m, int64_t inter,
     if (tiled<T>(m) && inter % kTileCols == 0) return tiled_gate_up(w, h, m, inter, act);
   }
 #endif
-  gate_up_act(w, quantize(h, w.in_features, m, w.in_features), m, inter, act);
+#if defined(VMKV_QUANT_F32_TILES)
+  if constexpr (std::is_same_v<T, float>) {
+    if (f32_tiled<T>(m)) {
+      gate_up_act(w, TileRows{h, w.in_features, w.in_features}, m, inter, act);
+      return true;
+    }
+  }
+#endif
+  const IntegerRows rows{quantize(h, w.in_features, m, w.in_features), w.in_features / kBlock};
+  gate_up_act(w, rows, m, inter, act);
   return true;
 }
 
@@ -527,6 +584,19 @@ int vmkv_q_set_ukernel(VmkvBrgemm brgemm, VmkvBrgemmRelease release, int64_t min
   return 0;
 #else
   (void)brgemm, (void)release, (void)min_rows;
+  return 1;
+#endif
+}
+
+// Products on float32 activations of at least min_rows rows (0: none) take dequantized float32
+// tiles and float32 FMAs. Returns 1 where this build has none (not an AVX2 build without
+// AVX-512; nothing set), else 0. Set before products run, not during them.
+int vmkv_q_set_f32_tiles(int64_t min_rows) {
+#if defined(VMKV_QUANT_F32_TILES)
+  g_f32_tile_rows = std::max<int64_t>(min_rows, 0);
+  return 0;
+#else
+  (void)min_rows;
   return 1;
 #endif
 }

@@ -84,13 +84,18 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 
 @pytest.fixture
-def integer_products() -> object:
-    """The native library with its dequantized tiles off (every row count on the integer
-    products), restored after the test."""
+def integer_products(build: str) -> object:
+    """The native library and ``build``'s with their dequantized tiles off (bf16 and float32:
+    every row count on the integer products), restored after the test."""
     native = cpu_quant.build(cpu_quant.FLAGS)
-    cpu_quant.use_ukernel(native, 0)
+    libs = (native, cpu_quant._lib())
+    for lib in libs:
+        cpu_quant.use_ukernel(lib, 0)
+        cpu_quant.use_f32_tiles(lib, 0)
     yield native
-    cpu_quant.use_ukernel(native)
+    for lib in libs:
+        cpu_quant.use_ukernel(lib)
+        cpu_quant.use_f32_tiles(lib)
 
 
 @pytest.mark.parametrize("ggml_type", list(FORMATS))
@@ -141,6 +146,36 @@ def test_many_rows_multiply_dequantized_tiles(ggml_type: int) -> None:
             got = lin(xd)
             assert got.dtype == dtype
             assert (got.double() - want).abs().max() <= tol * want.abs().max(), (dtype, m)
+
+
+@pytest.mark.parametrize("ggml_type", list(FORMATS))
+def test_many_float32_rows_multiply_dequantized_float32_tiles(ggml_type: int,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """AVX2 builds (the no-avx512 build, on every x86 CPU here): from F32_TILE_ROWS float32 rows
+    on, a product is the dequantized weight times them in float32 (within 2e-6 of float64: no
+    activation rounding; several row tiles, a partial group and a bias included); below it, the
+    integer products, bit for bit the portable build's. Native AVX-512 builds have no float32
+    tiles."""
+    native = cpu_quant.build(cpu_quant.FLAGS)
+    assert cpu_quant.use_f32_tiles(native) == (cpu_quant.code_path() == "avx2")
+    use_build(cpu_quant, "no-avx512", monkeypatch)
+    assert cpu_quant.use_f32_tiles(cpu_quant.library())
+    for rows, k, m in ((200, 1536, cpu_quant.F32_TILE_ROWS), (40, 96, 300),
+                       (40, 96, cpu_quant.F32_TILE_ROWS - 1)):
+        raw = quantized(ggml_type, rows, k)
+        w = torch.from_numpy(dequantized(raw, ggml_type, k)).double()
+        bias = torch.randn(rows)
+        lin = QuantLinear([QuantTensor.from_gguf(raw, ggml_type, k)], bias)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(rows))
+        got = lin(x)
+        want = x.double() @ w.T + bias.double()
+        if m >= cpu_quant.F32_TILE_ROWS:
+            assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max(), m
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                use_build(cpu_quant, "portable", mp)
+                assert torch.equal(lin(x), got)
 
 
 def test_segments_of_different_formats_make_one_linear() -> None:
@@ -234,6 +269,30 @@ def test_teacher_forced_agreement_with_the_dequantized_model(default_model: tupl
         agree = (logits[quant].argmax(-1) == logits["none"].argmax(-1)).float().mean().item()
         assert agree >= 0.99, (quant, agree)
         assert abs(np.exp(nll[quant] - nll["none"]) - 1) <= 0.005, (quant, nll)
+
+
+def test_float32_tiles_give_the_dequantized_models_logits(default_model: tuple,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's fused layers and LM head on the AVX2 build's float32 tiles (a
+    40-token prefill): the dequantized float32 model's logits within 1e-3 (measured 1.7e-4;
+    the integer products' activation rounding: 1.5e-2)."""
+    from vmkv.models import load_tokenizer
+
+    path, _ = default_model
+    use_build(cpu_quant, "no-avx512", monkeypatch)
+    assert cpu_quant.use_f32_tiles(cpu_quant.library())
+    ids = load_tokenizer(path)("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
+    assert len(ids) >= 40 > cpu_quant.F32_TILE_ROWS
+    logits = []
+    for quant in ("gguf", "none"):
+        model, cfg = load_model(path, torch.float32, quantization=quant)
+        assert fuse_layers(model) is not None or quant == "none"
+        kv = make_kv(cfg, "virtual", max_model_len=512)
+        try:
+            logits.append(prefill_logits(model, kv, ids[:40]))
+        finally:
+            kv.close()
+    assert (logits[0] - logits[1]).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

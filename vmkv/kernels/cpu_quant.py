@@ -45,6 +45,10 @@ MAX_SEGMENTS = 3
 #: (AVX512-BF16 builds where the ukernel runs); fewer rows, and float32 activations, keep the
 #: integer products (measured in docs/models.md, "Quantized weights")
 TILE_ROWS = 16
+#: float32 products of at least this many rows take dequantized float32 tiles and float32 FMAs
+#: (AVX2 builds without AVX-512, whose integer products lack VNNI; measured in docs/models.md,
+#: "Quantized weights"); elsewhere, and below it, the integer products
+F32_TILE_ROWS = 8
 
 
 class Segment(ctypes.Structure):
@@ -110,7 +114,10 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     lib.vmkv_q_path.restype = ctypes.c_char_p
     lib.vmkv_q_set_ukernel.argtypes = [_PTR, _PTR, _I64]
     lib.vmkv_q_set_ukernel.restype = ctypes.c_int
+    lib.vmkv_q_set_f32_tiles.argtypes = [_I64]
+    lib.vmkv_q_set_f32_tiles.restype = ctypes.c_int
     use_ukernel(lib)
+    use_f32_tiles(lib)
     return lib
 
 
@@ -123,6 +130,13 @@ def use_ukernel(lib: ctypes.CDLL, min_rows: int = TILE_ROWS) -> bool:
              if cpu_bf16.unavailable_reason(torch.bfloat16) is None else None)
     brgemm, release = found or (None, None)
     return lib.vmkv_q_set_ukernel(brgemm, release, min_rows) == 0 and bool(found) and min_rows > 0
+
+
+def use_f32_tiles(lib: ctypes.CDLL, min_rows: int = F32_TILE_ROWS) -> bool:
+    """Give ``lib``'s float32 products of ``min_rows`` rows or more (0: none) dequantized
+    float32 tiles and float32 FMAs; whether they now take them (False where the build has none:
+    only AVX2 builds without AVX-512 do)."""
+    return lib.vmkv_q_set_f32_tiles(min_rows) == 0 and min_rows > 0
 
 
 def _lib() -> ctypes.CDLL | None:
