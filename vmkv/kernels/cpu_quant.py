@@ -8,12 +8,15 @@ Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0; U8 for ``--quantizat
 rearranged at load into groups of 16 output rows (:mod:`vmkv.models.quant.packing`: the same
 bytes); each product quantises its activations per block of 32 to int8 and sums integer dot
 products (AVX-512 VNNI, AVX2, or portable loops: the compiler's choice by ``-march``; every
-build gives the same bits). From :data:`TILE_ROWS` rows of bfloat16 activations on (prefill,
-wide batches), where oneDNN's bf16 brgemm ukernel runs (:mod:`vmkv.kernels.cpu_bf16`), a product
-instead dequantizes each block of 32 output rows once into a bf16 tile and multiplies it on the
-ukernel. Built like the other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the
-library cannot be built, :func:`available` is False (one warning line says why) and a GGUF model
-is dequantized at load instead (``--quantization none``).
+build gives the same bits, the tiles apart). From :data:`TILE_ROWS` rows of bfloat16
+activations on (prefill, wide batches), where oneDNN's bf16 brgemm ukernel runs
+(:mod:`vmkv.kernels.cpu_bf16`), a product instead dequantizes each block of 32 output rows once
+into a bf16 tile and multiplies it on the ukernel; on AVX2 builds (no VNNI), from
+:data:`F32_TILE_ROWS` float32 rows on, each group of 16 output rows is dequantized into a
+float32 tile and multiplied with float32 FMAs (``csrc/cpu_quant_f32_tiles.h``). Built like the
+other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the library cannot be built,
+:func:`available` is False (one warning line says why) and a GGUF model is dequantized at load
+instead (``--quantization none``).
 """
 
 from __future__ import annotations
