@@ -160,6 +160,12 @@ def test_many_float32_rows_multiply_dequantized_float32_tiles(ggml_type: int,
     native = cpu_quant.build(cpu_quant.FLAGS)
     assert cpu_quant.use_f32_tiles(native) == (cpu_quant.code_path() == "avx2")
     use_build(cpu_quant, "no-avx512", monkeypatch)
+    with pytest.MonkeyPatch.context() as mp:  # the switch: 0 turns them off, nonsense refused
+        mp.setenv("VMKV_QUANT_F32_TILE_ROWS", "0")
+        assert not cpu_quant.use_f32_tiles(cpu_quant.library())
+        mp.setenv("VMKV_QUANT_F32_TILE_ROWS", "eight")
+        with pytest.raises(ValueError, match="whole number"):
+            cpu_quant.use_f32_tiles(cpu_quant.library())
     assert cpu_quant.use_f32_tiles(cpu_quant.library())
     for rows, k, m in ((200, 1536, cpu_quant.F32_TILE_ROWS), (40, 96, 300),
                        (40, 96, cpu_quant.F32_TILE_ROWS - 1)):

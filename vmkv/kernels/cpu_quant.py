@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vmkv import envs
 from vmkv.kernels import cpu_bf16
 from vmkv.kernels.build import CPU_FLAGS, CSRC, load_cpu_library
 
@@ -50,8 +51,9 @@ MAX_SEGMENTS = 3
 TILE_ROWS = 16
 #: float32 products of at least this many rows take dequantized float32 tiles and float32 FMAs
 #: (AVX2 builds without AVX-512, whose integer products lack VNNI; measured in docs/models.md,
-#: "Quantized weights"); elsewhere, and below it, the integer products
-F32_TILE_ROWS = 8
+#: "Quantized weights"); elsewhere, and below it, the integer products. VMKV_QUANT_F32_TILE_ROWS
+#: sets it (0: off), read when the library is built
+F32_TILE_ROWS = int(envs.VMKV_QUANT_F32_TILE_ROWS.default or 0)
 
 
 class Segment(ctypes.Structure):
@@ -135,11 +137,13 @@ def use_ukernel(lib: ctypes.CDLL, min_rows: int = TILE_ROWS) -> bool:
     return lib.vmkv_q_set_ukernel(brgemm, release, min_rows) == 0 and bool(found) and min_rows > 0
 
 
-def use_f32_tiles(lib: ctypes.CDLL, min_rows: int = F32_TILE_ROWS) -> bool:
-    """Give ``lib``'s float32 products of ``min_rows`` rows or more (0: none) dequantized
-    float32 tiles and float32 FMAs; whether they now take them (False where the build has none:
-    only AVX2 builds without AVX-512 do)."""
-    return lib.vmkv_q_set_f32_tiles(min_rows) == 0 and min_rows > 0
+def use_f32_tiles(lib: ctypes.CDLL, min_rows: int | None = None) -> bool:
+    """Give ``lib``'s float32 products of ``min_rows`` rows or more (0: none; None:
+    VMKV_QUANT_F32_TILE_ROWS, default :data:`F32_TILE_ROWS`) dequantized float32 tiles and
+    float32 FMAs; whether they now take them (False where the build has none: only AVX2 builds
+    without AVX-512 do)."""
+    rows = envs.quant_f32_tile_rows() if min_rows is None else min_rows
+    return lib.vmkv_q_set_f32_tiles(rows) == 0 and rows > 0
 
 
 def _lib() -> ctypes.CDLL | None:
