@@ -89,6 +89,21 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def time_ways(ways: dict[str, list[Callable[[torch.Tensor], object]]], xs: list[torch.Tensor],
+              repeats: int, reps: int) -> dict[str, float]:
+    """Each way's median ms for its products on ``xs`` (one per product), the ways interleaved
+    per repetition, each warmed once before timing ``reps`` calls."""
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    for _ in range(repeats):
+        for way, fns in ways.items():
+            def run(fns: list = fns) -> None:
+                for fn, x in zip(fns, xs, strict=True):
+                    fn(x)
+            run()  # warm
+            times[way].append(median_ms(run, reps))
+    return {w: statistics.median(t) for w, t in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,64,256")
@@ -107,16 +122,7 @@ def main() -> int:
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(m, k).to(dtype) for k in shapes_in]
-            reps = max(5, 1500 // m)
-            times: dict[str, list[float]] = {w: [] for w in ways}
-            for _ in range(args.repeats):
-                for way, fns in ways.items():
-                    def layer(fns: list = fns, xs: list = xs) -> None:
-                        for fn, x in zip(fns, xs, strict=True):
-                            fn(x)
-                    layer()  # warm
-                    times[way].append(median_ms(layer, reps))
-            row = {"rows": m, **{w: statistics.median(t) for w, t in times.items()}}
+            row = {"rows": m, **time_ways(ways, xs, args.repeats, max(5, 1500 // m))}
             rows.append(row)
             print(f"rows {m:4d}  " + "  ".join(f"{w} {row[w]:.3f} ms" for w in ways), flush=True)
     result = {"bench": "int8_kernels", "shapes": SHAPES, "dtype": args.dtype,

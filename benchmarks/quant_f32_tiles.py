@@ -25,8 +25,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +37,9 @@ from vmkv.kernels import cpu_quant
 from vmkv.models.linear import PackedLinear
 from vmkv.models.quant.int8 import int8_tensor
 from vmkv.models.quant.modules import QuantLinear, QuantTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_kernels import time_ways  # noqa: E402
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 HEAD = ((49152, 576),)
@@ -73,15 +75,6 @@ def products(shapes: tuple[tuple[int, int], ...], formats: tuple[str, ...]
     return ways
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,256")
@@ -99,15 +92,7 @@ def main() -> int:
             for m in (int(r) for r in args.rows.split(",")):
                 xs = [torch.randn(m, k) for _, k in shapes]
                 reps = max(3, (300 if part == "layer" else 30) // m)
-                times: dict[str, list[float]] = {w: [] for w in ways}
-                for _ in range(args.repeats):
-                    for way, fns in ways.items():
-                        def run(fns: list = fns, xs: list = xs) -> None:
-                            for fn, x in zip(fns, xs, strict=True):
-                                fn(x)
-                        run()  # warm
-                        times[way].append(median_ms(run, reps))
-                row = {"rows": m, **{w: statistics.median(t) for w, t in times.items()}}
+                row = {"rows": m, **time_ways(ways, xs, args.repeats, reps)}
                 rows.append(row)
                 print(f"{part} rows {m:4d}  " + "  ".join(f"{w} {row[w]:.3f}" for w in ways),
                       flush=True)

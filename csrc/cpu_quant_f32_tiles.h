@@ -40,7 +40,6 @@ inline void put4_f32(__m256i u, __m256 d, __m256 off, int64_t k, float* tile, in
 // The group at `rec` (nb records) into tile [32 nb][16].
 template <Format F>
 inline void dequant_group_f32(const uint8_t* rec, int64_t nb, float* tile) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b, rec += kRecord<F>) {
     const int64_t k = b * kBlock;
     for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 8: bytes 32h .. 32h + 32 of each load
@@ -52,17 +51,8 @@ inline void dequant_group_f32(const uint8_t* rec, int64_t nb, float* tile) {
                   : _mm256_mul_ps(d, _mm256_set1_ps(static_cast<float>(-kZero<F>)));
       if constexpr (kFour<F>) {
         for (int j = 0; j < 4; ++j) {
-          const __m256i w =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + j * 64 + h * 32));
-          __m256i lo = _mm256_and_si256(w, low4);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          if constexpr (F == kQ5_0) {
-            uint32_t lo_bits, hi_bits;
-            std::memcpy(&lo_bits, rec + kCodeBytes<F> + 8 * j + 4 * h, 4);
-            std::memcpy(&hi_bits, rec + kCodeBytes<F> + 8 * (j + 4) + 4 * h, 4);
-            lo = _mm256_or_si256(lo, bits_to_sixteens(lo_bits));
-            hi = _mm256_or_si256(hi, bits_to_sixteens(hi_bits));
-          }
+          __m256i lo, hi;
+          codes4<F>(rec, j, h, lo, hi);
           put4_f32(lo, d, off, k + 4 * j, tile, 8 * h);
           put4_f32(hi, d, off, k + 16 + 4 * j, tile, 8 * h);
         }

@@ -273,6 +273,23 @@ inline __m256i bits_to_sixteens(uint32_t bits) {
 
 inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
 
+// A 4-bit record's codes of load j for rows 8h .. 8h + 8 (bytes 32h .. 32h + 32): lo the
+// elements 4j + e, hi 16 + 4j + e, byte 4r + e each (Q5_0: with their fifth bits).
+template <Format F>
+inline void codes4(const uint8_t* rec, int j, int h, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + j * 64 + h * 32));
+  lo = _mm256_and_si256(w, low4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+  if constexpr (F == kQ5_0) {
+    uint32_t lo_bits, hi_bits;
+    std::memcpy(&lo_bits, rec + kCodeBytes<F> + 8 * j + 4 * h, 4);
+    std::memcpy(&hi_bits, rec + kCodeBytes<F> + 8 * (j + 4) + 4 * h, 4);
+    lo = _mm256_or_si256(lo, bits_to_sixteens(lo_bits));
+    hi = _mm256_or_si256(hi, bits_to_sixteens(hi_bits));
+  }
+}
+
 // sum over 4-byte groups of u * q (u unsigned <= 31, q signed) as int32, in lanes
 inline __m256i dot4(__m256i u_lo, __m256i q_lo, __m256i u_hi, __m256i q_hi) {
   const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u_lo, q_lo),
@@ -289,7 +306,6 @@ template <Format F, int R>
 inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t r0, float* c,
                        int64_t ldc) {
   const int64_t nbk = a.blocks();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -307,17 +323,8 @@ inline void group_rows(const uint8_t* rec0, int64_t nb, const QActs& a, int64_t 
       }
       if constexpr (kFour<F>) {
         for (int j = 0; j < 4; ++j) {
-          const __m256i w =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + j * 64 + h * 32));
-          __m256i lo = _mm256_and_si256(w, low4);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          if constexpr (F == kQ5_0) {
-            uint32_t lo_bits, hi_bits;
-            std::memcpy(&lo_bits, rec + kCodeBytes<F> + 8 * j + 4 * h, 4);
-            std::memcpy(&hi_bits, rec + kCodeBytes<F> + 8 * (j + 4) + 4 * h, 4);
-            lo = _mm256_or_si256(lo, bits_to_sixteens(lo_bits));
-            hi = _mm256_or_si256(hi, bits_to_sixteens(hi_bits));
-          }
+          __m256i lo, hi;
+          codes4<F>(rec, j, h, lo, hi);
           for (int r = 0; r < R; ++r) {
             dh[r] = _mm256_add_epi32(dh[r], dot4(lo, bcast4(ah[r] + 4 * j), hi,
                                                  bcast4(ah[r] + 16 + 4 * j)));
