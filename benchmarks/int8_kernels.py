@@ -104,6 +104,14 @@ def time_ways(ways: dict[str, list[Callable[[torch.Tensor], object]]], xs: list[
     return {w: statistics.median(t) for w, t in times.items()}
 
 
+def save(result: dict, path: str | None) -> int:
+    """``result`` written to ``path`` as JSON (nothing without one); the exit status, 0."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,64,256")
@@ -130,10 +138,7 @@ def main() -> int:
               "machine": {"cpu": platform.processor() or platform.machine(),
                           "cpu_count": os.cpu_count(), "torch": torch.__version__},
               "rows": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return save(result, args.json)
 
 
 if __name__ == "__main__":

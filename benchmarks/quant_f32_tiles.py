@@ -22,7 +22,6 @@ medians and the machine. A benchmark, not a test: no assertion on speed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -39,7 +38,7 @@ from vmkv.models.quant.int8 import int8_tensor
 from vmkv.models.quant.modules import QuantLinear, QuantTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_kernels import time_ways  # noqa: E402
+from int8_kernels import save, time_ways  # noqa: E402
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 HEAD = ((49152, 576),)
@@ -105,10 +104,7 @@ def main() -> int:
               "machine": {"cpu": platform.processor() or platform.machine(), "flags": flags,
                           "cpu_count": os.cpu_count(), "torch": torch.__version__},
               **results}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return save(result, args.json)
 
 
 if __name__ == "__main__":
