@@ -323,7 +323,7 @@ def run_vmkv(engine: Engine, setup: Setup, workload: str, num_prompts: int, log:
         "preemptions": run["preemptions"],
         "map_stall_s": run["map_stall_s"],
         "sample_overhead_s": run["sample_overhead_s"],
-        "settings": {"dtype": PRECISION_FLAGS["vmkv"][engine.precision],
+        "settings": {"dtype": result.get("options", {}).get("dtype", peer_flag(engine)),
                      "quantization": result.get("dtype", {}).get(engine.family, {}).get(
                          "quantization"),
                      "weights": result.get("dtype", {}).get(engine.family, {}).get("weights"),
