@@ -34,7 +34,8 @@
 // with q the activation's integer codes and d_a its scale. A group of 16 rows is one vector of int32
 // dot products, then of float32 sums: no horizontal reduction anywhere. Every build (AVX-512,
 // AVX2, portable) quantises activations identically and sums each row's blocks in the same order
-// with the same fused multiply-adds, so their outputs are bit-identical.
+// with the same fused multiply-adds, so their outputs are bit-identical (the AVX2 builds' float32
+// tiles for many rows, csrc/cpu_quant_f32_tiles.h, apart).
 #pragma once
 
 #include <cmath>

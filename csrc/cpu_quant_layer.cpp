@@ -395,20 +395,24 @@ void gate_up_act(const VmkvQLinear& w, const Rows& group_rows, int64_t m, int64_
   });
 }
 
-// Whether an m-row product on T activations takes the dequantized float32 tiles.
-template <typename T>
-bool f32_tiled(int64_t m) {
+// fn(group_rows) with the group products for x [m, k] (row stride ldx): the dequantized float32
+// tiles from vmkv_q_set_f32_tiles' row count on (float32, AVX2 builds), else integer products
+// on x quantised per block.
+template <typename T, typename Fn>
+void with_group_rows(const T* x, int64_t ldx, int64_t m, int64_t k, Fn&& fn) {
 #if defined(VMKV_QUANT_F32_TILES)
-  return std::is_same_v<T, float> && g_f32_tile_rows > 0 && m >= g_f32_tile_rows;
-#else
-  (void)m;
-  return false;
+  if constexpr (std::is_same_v<T, float>) {
+    if (g_f32_tile_rows > 0 && m >= g_f32_tile_rows) {
+      fn(TileRows{x, ldx, k});
+      return;
+    }
+  }
 #endif
+  fn(IntegerRows{quantize(x, ldx, m, k), k / kBlock});
 }
 
-// out [m, N] = x [m, K] (row stride ldx) w^T: dequantized tiles from the ukernel's row count on
-// (bf16) or from vmkv_q_set_f32_tiles' (float32, AVX2 builds), else integer products on x
-// quantised per block. False when the ukernel raised.
+// out [m, N] = x [m, K] (row stride ldx) w^T: dequantized bf16 tiles from the ukernel's row
+// count on, else with_group_rows' products. False when the ukernel raised.
 template <Store S, typename T, typename Out>
 bool product(const VmkvQLinear& w, const T* x, int64_t ldx, int64_t m, Out* out, int64_t ldo) {
 #if defined(VMKV_QUANT_TILES)
@@ -416,16 +420,8 @@ bool product(const VmkvQLinear& w, const T* x, int64_t ldx, int64_t m, Out* out,
     if (tiled<T>(m)) return tiled_linear<S>(w, x, ldx, m, out, ldo);
   }
 #endif
-#if defined(VMKV_QUANT_F32_TILES)
-  if constexpr (std::is_same_v<T, float>) {
-    if (f32_tiled<T>(m)) {
-      linear<S, T>(w, TileRows{x, ldx, w.in_features}, m, out, ldo);
-      return true;
-    }
-  }
-#endif
-  const IntegerRows rows{quantize(x, ldx, m, w.in_features), w.in_features / kBlock};
-  linear<S, T>(w, rows, m, out, ldo);
+  with_group_rows(x, ldx, m, w.in_features,
+                  [&](const auto& rows) { linear<S, T>(w, rows, m, out, ldo); });
   return true;
 }
 
@@ -437,16 +433,8 @@ bool gate_up_product(const VmkvQLinear& w, const T* h, int64_t m, int64_t inter,
     if (tiled<T>(m) && inter % kTileCols == 0) return tiled_gate_up(w, h, m, inter, act);
   }
 #endif
-#if defined(VMKV_QUANT_F32_TILES)
-  if constexpr (std::is_same_v<T, float>) {
-    if (f32_tiled<T>(m)) {
-      gate_up_act(w, TileRows{h, w.in_features, w.in_features}, m, inter, act);
-      return true;
-    }
-  }
-#endif
-  const IntegerRows rows{quantize(h, w.in_features, m, w.in_features), w.in_features / kBlock};
-  gate_up_act(w, rows, m, inter, act);
+  with_group_rows(h, w.in_features, m, w.in_features,
+                  [&](const auto& rows) { gate_up_act(w, rows, m, inter, act); });
   return true;
 }
 
