@@ -114,8 +114,8 @@ constexpr int64_t kMaxDim = 512;  // the largest head_dim the kernels take
 inline bool rotated(int64_t dim) { return dim >= 2 && (dim & (dim - 1)) == 0; }
 
 // x[0 .. dim) <- x H / sqrt(dim) in place (dim a power of two): butterflies of stride 1, 2, 4,
-// ... (a + b, a - b), then the scale. The AVX-512 path does the same float operations in the
-// same order (strides below 16 by lane swaps), so both give the same bits.
+// ... (a + b, a - b), then the scale. The AVX-512 and AVX2 paths do the same float operations in
+// the same order (strides below 16 or 8 by lane swaps), so all give the same bits.
 inline void hadamard(float* x, int64_t dim) {
   int64_t h = 1;
 #if defined(__AVX512F__)
@@ -134,6 +134,21 @@ inline void hadamard(float* x, int64_t dim) {
       _mm512_storeu_ps(x + i, v);
     }
     h = 16;
+  }
+#elif defined(VMKV_VECTOR)
+  if (dim % 8 == 0) {
+    for (int64_t i = 0; i < dim; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      // lanes whose stride-h bit is set hold b (the partner a is lane ^ h): a - b = p - v
+      __m256 p = _mm256_permute_ps(v, 0xB1);
+      v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xAA);
+      p = _mm256_permute_ps(v, 0x4E);
+      v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xCC);
+      p = _mm256_permute2f128_ps(v, v, 0x01);
+      v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xF0);
+      _mm256_storeu_ps(x + i, v);
+    }
+    h = 8;
   }
 #endif
   for (; h < dim; h *= 2) {
@@ -154,9 +169,9 @@ inline void hadamard(float* x, int64_t dim) {
 // x[0 .. dim) as float, rotated where rows of this dim are (what the cache's basis holds).
 template <typename T>
 inline void to_cache_basis(const T* x, int64_t dim, float* dst) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    for (int64_t d = 0; d < dim; d += 16) vstore(dst + d, vload(x + d));
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {
+    for (int64_t d = 0; d < dim; d += kLanes) vstore(dst + d, vload(x + d));
   } else {
     for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(x[d]);
   }
@@ -191,6 +206,28 @@ inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
     std::memcpy(dst + dim, &h, sizeof(h));
     return;
   }
+#elif defined(VMKV_VECTOR) && defined(__F16C__)
+  if (dim % 8 == 0) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vload(xr + d)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const uint16_t h = float_to_half(std::min(amax / 127.0f, 65504.0f));
+    const float s = half_to_float(h);
+    const __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(vload(xr + d), inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i w = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(w16, w16));
+    }
+    std::memcpy(dst + dim, &h, sizeof(h));
+    return;
+  }
 #endif
   float amax = 0.0f;
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(xr[d]));
@@ -209,9 +246,9 @@ template <typename T>
 inline void store_output(float* acc, int64_t dim, float inv, T* o) {
   for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
   if (rotated(dim)) hadamard(acc, dim);
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    for (int64_t d = 0; d < dim; d += 16) vstore(o + d, vload(acc + d));
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {
+    for (int64_t d = 0; d < dim; d += kLanes) vstore(o + d, vload(acc + d));
     return;
   }
 #endif
@@ -233,6 +270,18 @@ inline void dequantize_row(const int8_t* row, int64_t dim, T* dst) {
     }
     if (rotated(dim)) hadamard(x, dim);
     for (int64_t d = 0; d < dim; d += 16) vstore(dst + d, vload(x + d));
+    return;
+  }
+#elif defined(VMKV_VECTOR)
+  if (dim % 8 == 0) {
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_store_ps(x + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
+    }
+    if (rotated(dim)) hadamard(x, dim);
+    for (int64_t d = 0; d < dim; d += 8) vstore(dst + d, vload(x + d));
     return;
   }
 #endif
@@ -292,7 +341,7 @@ void attend_portable(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len,
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VMKV_INT8_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VMKV_INT8_AVX2 1
 #endif
 
@@ -568,37 +617,32 @@ inline __m256 first_lanes(int64_t live) {
                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-// Int32 value accumulators of a dim chunk (two per query head and 16 dims) that fit in AVX2's
-// sixteen registers beside the loaded rows.
-template <int GROUP, int CH>
-constexpr int avx2_chunk_of() {
-  int cv = CH;
-  while (cv > 1 && 2 * GROUP * cv > 8) cv /= 2;
-  return cv;
-}
-
 // attend_vnni's task with AVX2 (no VNNI): the same exact integer products, vpmaddwd and vpaddd
-// for each vpdpwssd, on 8-lane vectors; head_dim 16 * CH. Scores: the int16 query (one scale
-// per head) . K's int8 widened to int16, 8 tokens' sums reduced into one vector; values: w as
-// int16 (one scale per head and block) on token pairs interleaved by unpacklo/hi, whose int32
-// lane 4L + k of chunk c is dim 16c + 8L + k (lo) or 16c + 8L + 4 + k (hi), summed per block in
-// int32, then added to float32 accumulators (online softmax, float32).
+// for each vpdpwssd, on 8-lane vectors; head_dim 16 * CH. Without VNNI the products, not the
+// bytes, bound the task, so each block's rows are widened once for all GROUP query heads:
+//   keys    a row's int8 widened to int16 once (CH registers), its products with every group
+//           head's int16 query (one scale per head) summed per head, 8 tokens' sums reduced into
+//           one vector, then scaled by the query's and each K row's scale;
+//   values  the block's rows widened once into token pairs interleaved by unpacklo/hi (whose
+//           int32 lane 4L + k of chunk c is dim 16c + 8L + k (lo) or 16c + 8L + 4 + k (hi)),
+//           then per head w as int16 (one scale per head and block) . those pairs summed in
+//           int32, added to float32 accumulators (online softmax, float32).
+// Integer sums are exact in any order, so this gives attend_vnni's bits.
 template <typename T, int GROUP, int CH, bool PAGED>
 void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
                  int64_t kvh1) {
   constexpr int64_t dim = 16 * CH;
-  constexpr int CV = avx2_chunk_of<GROUP, CH>();
+  constexpr int CV = CH < 4 ? CH : 4;  // 16-dim chunks per value pass: 2 * CV accumulators
   const int64_t span = kvh1 - kvh0;
   alignas(32) float acc[kMaxTaskRows][dim];  // permuted lanes (above), undone at the store
   float m[kMaxTaskRows], l[kMaxTaskRows], qscale[kMaxTaskRows];
   alignas(32) int16_t q16[kMaxTaskRows][dim];
-  alignas(32) float ks[kBlock], vs[kBlock];
+  alignas(32) float scores[GROUP][kBlock];
+  alignas(16) uint16_t ks16[kBlock], vs16[kBlock];  // the rows' float16 scales
+  alignas(32) float vs[kBlock];
+  alignas(32) __m256i pairs[kBlock / 2][2 * CH];  // V rows 2p, 2p + 1 widened, interleaved
   alignas(32) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
-                                               // (rows of 192 bytes: stores aligned)
-  int64_t rows[kBlock], next_rows[kBlock];
-  const auto row_at = [&](int64_t t) {
-    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size);
-  };
+  int64_t rows[kBlock], next_rows[kBlock];  // byte offsets of the block's rows (and the next's)
   prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(32) float qr[dim];
@@ -616,61 +660,96 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     l[r] = 0.0f;
   }
   for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
+  const auto offset_of = [&](int64_t t) {
+    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size) * a.stride_row;
+  };
   for (int64_t t0 = lo; t0 < len; t0 += kBlock) {
-    const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 7) / 8;
-    for (int64_t j = 0; j < n; ++j) rows[j] = row_at(t0 + j);
+    const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 7) / 8, pairs_n = (n + 1) / 2;
+    for (int64_t j = 0; j < n; ++j) rows[j] = offset_of(t0 + j);
     for (int64_t j = n; j < vecs_n * 8; ++j) rows[j] = rows[0];  // masked off below
     const int64_t ahead = std::max<int64_t>(0, std::min(kBlock, len - t0 - kBlock));
-    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = row_at(t0 + kBlock + j);
+    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = offset_of(t0 + kBlock + j);
     for (int64_t h = 0; h < span; ++h) {
-      const int64_t off = (kvh0 + h) * a.stride_head;
+      const int8_t* k = a.k + (kvh0 + h) * a.stride_head;
+      const int8_t* v = a.v + (kvh0 + h) * a.stride_head;
+      const int16_t* qh = q16[h * GROUP];
       for (int64_t j = 0; j < vecs_n * 8; ++j) {
-        ks[j] = row_scale(a.k + rows[j] * a.stride_row + off, dim);
-        vs[j] = row_scale(a.v + rows[j] * a.stride_row + off, dim);
+        std::memcpy(&ks16[j], k + rows[j] + dim, sizeof(uint16_t));
+        std::memcpy(&vs16[j], v + rows[j] + dim, sizeof(uint16_t));
       }
-      float rescale[GROUP], wscale[GROUP];
+      for (int64_t u = 0; u < vecs_n; ++u) {  // keys: 8 rows, each widened once
+        __m256i part[GROUP][8];
+        for (int j = 0; j < 8; ++j) {
+          const int64_t t = u * 8 + j;
+          const int8_t* kr = k + rows[t];
+          if (t < ahead) prefetch_lines<dim + kScaleBytes>(k + next_rows[t]);
+          __m256i kw[CH];
+          for (int c = 0; c < CH; ++c) {
+            kw[c] = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + 16 * c)));
+          }
+          for (int g = 0; g < GROUP; ++g) {
+            const auto* qg = reinterpret_cast<const __m256i*>(qh + g * dim);
+            __m256i s = _mm256_madd_epi16(kw[0], _mm256_load_si256(qg));
+            for (int c = 1; c < CH; ++c) {
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(kw[c], _mm256_load_si256(qg + c)));
+            }
+            part[g][j] = s;
+          }
+        }
+        const __m256 ks = _mm256_cvtph_ps(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(ks16 + 8 * u)));
+        for (int g = 0; g < GROUP; ++g) {
+          _mm256_store_ps(scores[g] + 8 * u,
+                          _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(vsum8_i32(part[g])), ks),
+                                        _mm256_set1_ps(qscale[h * GROUP + g])));
+        }
+      }
+      for (int64_t u = 0; u < vecs_n; ++u) {
+        _mm256_store_ps(vs + 8 * u, _mm256_cvtph_ps(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(vs16 + 8 * u))));
+      }
+      for (int64_t p = 0; p < pairs_n; ++p) {  // values: the block's rows widened once
+        const int64_t j = 2 * p;
+        for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
+          prefetch_lines<dim + kScaleBytes>(v + next_rows[i]);
+        }
+        const int8_t* v0 = v + rows[j];
+        const int8_t* v1 = j + 1 < n ? v + rows[j + 1] : nullptr;
+        for (int c = 0; c < CH; ++c) {
+          const __m256i x = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + 16 * c)));
+          const __m256i z = v1 != nullptr
+              ? _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + 16 * c)))
+              : _mm256_setzero_si256();
+          pairs[p][2 * c] = _mm256_unpacklo_epi16(x, z);
+          pairs[p][2 * c + 1] = _mm256_unpackhi_epi16(x, z);
+        }
+      }
       for (int g = 0; g < GROUP; ++g) {
         const int64_t r = h * GROUP + g;
-        __m256i qv[CH];
-        for (int c = 0; c < CH; ++c) {
-          qv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q16[r] + 16 * c));
-        }
-        __m256 scores[kBlock / 8];
         __m256 block_max = _mm256_set1_ps(-INFINITY);
         for (int64_t u = 0; u < vecs_n; ++u) {
-          __m256i part[8];
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) {
-            const int8_t* kr = a.k + rows[u * 8 + j] * a.stride_row + off;
-            __m256i s = _mm256_setzero_si256();
-            for (int c = 0; c < CH; ++c) {
-              const __m256i kw = _mm256_cvtepi8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + 16 * c)));
-              s = _mm256_add_epi32(s, _mm256_madd_epi16(kw, qv[c]));
-            }
-            part[j] = s;
-          }
-          scores[u] = _mm256_mul_ps(
-              _mm256_mul_ps(_mm256_cvtepi32_ps(vsum8_i32(part)), _mm256_load_ps(ks + 8 * u)),
-              _mm256_set1_ps(qscale[r]));
           block_max = _mm256_max_ps(
-              block_max, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores[u],
+              block_max, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                          _mm256_load_ps(scores[g] + 8 * u),
                                           first_lanes(n - u * 8)));
         }
         const float m_new = std::max(m[r], hmax8(block_max));
-        rescale[g] = max_rescale(m[r], m_new);
+        const float rescale = max_rescale(m[r], m_new);
         __m256 sums = _mm256_setzero_ps(), w_max = _mm256_setzero_ps();
         __m256 w[kBlock / 8];
         for (int64_t u = 0; u < vecs_n; ++u) {
           const __m256 p = _mm256_and_ps(
               first_lanes(n - u * 8),
-              exp_nonpositive_v(_mm256_sub_ps(scores[u], _mm256_set1_ps(m_new))));
+              exp_nonpositive_v(_mm256_sub_ps(_mm256_load_ps(scores[g] + 8 * u),
+                                              _mm256_set1_ps(m_new))));
           sums = _mm256_add_ps(sums, p);
           w[u] = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * u));
           w_max = _mm256_max_ps(w_max, w[u]);
         }
         const float wm = hmax8(w_max);
-        wscale[g] = wm / 32767.0f;
         const __m256 to_int = _mm256_set1_ps(wm > 0.0f ? 32767.0f / wm : 0.0f);
         for (int64_t u = 0; u < vecs_n; ++u) {
           const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(w[u], to_int));
@@ -679,53 +758,24 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
                                           _mm256_extracti128_si256(x, 1)));
         }
         for (int64_t j = vecs_n * 8; j < kBlock; ++j) wq[g][j] = 0;
-        l[r] = l[r] * rescale[g] + vsum(sums);
+        l[r] = l[r] * rescale + vsum(sums);
         m[r] = m_new;
-      }
-      for (int cc = 0; cc < CH; cc += CV) {  // values: CV chunks of 16 dims of every head
-        __m256i iacc[GROUP][2 * CV];
-        for (int g = 0; g < GROUP; ++g) {
-          for (int e = 0; e < 2 * CV; ++e) iacc[g][e] = _mm256_setzero_si256();
-        }
-        for (int64_t j = 0; j < n; j += 2) {
-          if (cc == 0) {  // head h's lines of the next block's rows j, j + 1 (into L2)
-            for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
-              const int64_t at = next_rows[i] * a.stride_row + off;
-              prefetch_lines<dim + kScaleBytes>(a.k + at);
-              prefetch_lines<dim + kScaleBytes>(a.v + at);
-            }
-          }
-          const int8_t* v0 = a.v + rows[j] * a.stride_row + off + 16 * cc;
-          const int8_t* v1 = j + 1 < n ? a.v + rows[j + 1] * a.stride_row + off + 16 * cc
-                                       : nullptr;
-          __m256i lo_w[CV], hi_w[CV];
-          for (int c = 0; c < CV; ++c) {
-            const __m256i x = _mm256_cvtepi8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + 16 * c)));
-            const __m256i z = v1 != nullptr
-                ? _mm256_cvtepi8_epi16(
-                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + 16 * c)))
-                : _mm256_setzero_si256();
-            lo_w[c] = _mm256_unpacklo_epi16(x, z);
-            hi_w[c] = _mm256_unpackhi_epi16(x, z);
-          }
-          for (int g = 0; g < GROUP; ++g) {
-            int32_t pair;  // w of tokens j, j + 1 (0 past n)
-            std::memcpy(&pair, &wq[g][j], sizeof(pair));
+        const __m256 f = _mm256_set1_ps(rescale), ws = _mm256_set1_ps(wm / 32767.0f);
+        for (int cc = 0; cc < CH; cc += CV) {  // CV chunks of 16 dims at a time
+          __m256i iacc[2 * CV];
+          for (int e = 0; e < 2 * CV; ++e) iacc[e] = _mm256_setzero_si256();
+          for (int64_t p = 0; p < pairs_n; ++p) {
+            int32_t pair;  // w of tokens 2p, 2p + 1 (0 past n)
+            std::memcpy(&pair, &wq[g][2 * p], sizeof(pair));
             const __m256i pp = _mm256_set1_epi32(pair);
-            for (int c = 0; c < CV; ++c) {
-              iacc[g][2 * c] = _mm256_add_epi32(iacc[g][2 * c], _mm256_madd_epi16(lo_w[c], pp));
-              iacc[g][2 * c + 1] = _mm256_add_epi32(iacc[g][2 * c + 1],
-                                                    _mm256_madd_epi16(hi_w[c], pp));
+            for (int e = 0; e < 2 * CV; ++e) {
+              iacc[e] = _mm256_add_epi32(iacc[e], _mm256_madd_epi16(pairs[p][2 * cc + e], pp));
             }
           }
-        }
-        for (int g = 0; g < GROUP; ++g) {
-          float* ar = acc[h * GROUP + g] + 16 * cc;
-          const __m256 f = _mm256_set1_ps(rescale[g]), ws = _mm256_set1_ps(wscale[g]);
+          float* ar = acc[r] + 16 * cc;
           for (int e = 0; e < 2 * CV; ++e) {
             _mm256_store_ps(ar + 8 * e,
-                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[g][e]), ws,
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[e]), ws,
                                             _mm256_mul_ps(_mm256_load_ps(ar + 8 * e), f)));
           }
         }
