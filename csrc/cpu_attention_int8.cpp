@@ -23,7 +23,9 @@
 // integer dot products of K's int8 widened to int16 (vpdpwssd: two per 64-element head, no float
 // conversion of K), 16 tokens' sums reduced into one vector at once; V is widened to float in
 // registers and accumulated in float32 (online softmax, float32). With AVX2 and no AVX-512 the
-// same integer products run as vpmaddwd + vpaddd on 8-lane vectors (attend_avx2). Compiled per
+// same integer products run as vpmaddwd + vpaddd on 8-lane vectors (attend_avx2), where they and
+// not the bytes bound the task: each 64-token block's K and V rows are widened to int16 once for
+// all the GQA group's query heads (benchmarks/int8_decode_ab.py: 1.2x per-head widening). Compiled per
 // GQA group and head_dim (64 or 128) so that the scores and the value accumulators stay in
 // registers; other shapes and other CPUs use a portable loop (float32 arithmetic on the
 // dequantised values).

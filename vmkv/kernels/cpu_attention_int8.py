@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
@@ -58,10 +59,11 @@ def _lib() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The library built with ``flags`` (cached); None where it cannot be built (AVX-512 VNNI,
-    AVX2 and portable paths: the compiler's choice by ``-march``)."""
-    lib = load_cpu_library(SOURCE, flags, LIBRARY, FALLBACK)
+def build(flags: tuple[str, ...], source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The library built from ``source`` (another revision's copy, for an A/B) with ``flags``
+    (cached); None where it cannot be built (AVX-512 VNNI, AVX2 and portable paths: the
+    compiler's choice by ``-march``)."""
+    lib = load_cpu_library(source, flags, LIBRARY, FALLBACK)
     if lib is None:
         return None
     for fn, args in ((lib.vmkv_cpu_kv_int8_store, _STORE_ARGTYPES),

@@ -1,0 +1,121 @@
+"""The int8 KV cache's decode kernel at two revisions of its source, side by side in one process:
+how a kernel change is measured on a machine whose speed wanders between runs.
+
+    python benchmarks/int8_decode_ab.py --base 85c0eb7 [--context-lens 300,500] [--json PATH]
+
+Builds csrc/cpu_attention_int8.cpp (and the headers it includes) as committed at ``--base`` and
+as in the working tree, with the engine's flags (``-O3 -march=native``), fills one int8 cache per
+layer (``--layers`` of the default model's shapes: 9 query heads, 3 KV heads, head_dim 64, so
+a step reads its K/V from memory as the engine's step does, not from the last level cache), and
+times one decode step over every layer with each build, the builds alternated per repetition:
+medians (ms per step), base / working tree, and whether their outputs are bit-identical.
+Virtual addressing (each request's rows contiguous). A benchmark, not a test: no assertion on
+speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vmkv.cpu_info import cpu_features, cpu_model
+from vmkv.kernels import cpu_attention_int8
+from vmkv.kernels.build import CPU_FLAGS, CSRC
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_kernels import save  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def source_at(revision: str, folder: Path) -> Path:
+    """The decode kernel's source and its local headers as committed at ``revision``, in
+    ``folder``."""
+    def show(name: str) -> str:
+        return subprocess.run(["git", "show", f"{revision}:csrc/{name}"], cwd=CSRC.parent,
+                              check=True, capture_output=True, text=True).stdout
+    text = show(cpu_attention_int8.SOURCE.name)
+    for header in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
+        (folder / header).write_text(show(header))
+    path = folder / cpu_attention_int8.SOURCE.name
+    path.write_text(text)
+    return path
+
+
+def step_ms(libs: dict[str, ctypes.CDLL], batch: int, context: int, layers: int,
+            repeats: int) -> tuple[dict[str, float], bool]:
+    """Each build's median ms for one decode step over ``layers`` caches of ``batch`` requests
+    at ``context`` tokens, alternated; and whether the builds' outputs are bit-identical."""
+    gen = torch.Generator().manual_seed(0)
+    slot = context + 64
+    caches = []
+    for _ in range(layers):
+        k = torch.zeros(batch * slot, KV_HEADS, DIM + 2, dtype=torch.int8)
+        v = torch.zeros_like(k)
+        cpu_attention_int8.store(k, v, torch.arange(batch * slot),
+                                 torch.randn(batch * slot, KV_HEADS, DIM, generator=gen),
+                                 torch.randn(batch * slot, KV_HEADS, DIM, generator=gen))
+        caches.append((k, v))
+    q = torch.randn(batch, HEADS, DIM, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch, dtype=torch.int64) * slot
+    outs = {name: torch.empty(batch, HEADS * DIM) for name in libs}
+
+    def run(name: str) -> None:
+        for k, v in caches:
+            cpu_attention_int8.decode(q, k, v, lens, DIM ** -0.5, starts=starts, out=outs[name],
+                                      lib=libs[name])
+
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for name in libs:
+        run(name)  # warm
+    for _ in range(repeats):
+        for name in libs:
+            start = time.perf_counter()
+            run(name)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    base, tree = outs.values()
+    return {name: statistics.median(t) for name, t in times.items()}, torch.equal(base, tree)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the git revision to compare against")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context-lens", default="300,500")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
+        libs = {args.base: cpu_attention_int8.build(CPU_FLAGS, source_at(args.base, Path(folder))),
+                "tree": cpu_attention_int8.build(CPU_FLAGS)}
+        if None in libs.values():
+            raise SystemExit("a build failed (see the warning above)")
+        for context in (int(c) for c in args.context_lens.split(",")):
+            ms, identical = step_ms(libs, args.batch, context, args.layers, args.repeats)
+            rows.append({"context": context, "ms": ms, "base_over_tree": ms[args.base] / ms["tree"],
+                         "bit_identical": identical})
+            print(f"context {context}: {args.base} {ms[args.base]:.2f} ms, tree {ms['tree']:.2f} "
+                  f"ms ({rows[-1]['base_over_tree']:.2f}x), bit-identical {identical}", flush=True)
+    return save({"bench": "int8_decode_ab", "base": args.base, "batch": args.batch,
+                 "layers": args.layers, "threads": torch.get_num_threads(),
+                 "unit": "ms per decode step (all layers)",
+                 "machine": {"cpu": cpu_model(), "flags": [
+                     f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
+                     if f in cpu_features().split()]},
+                 "rows": rows}, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
