@@ -25,9 +25,9 @@
 // registers and accumulated in float32 (online softmax, float32). With AVX2 and no AVX-512 the
 // same integer products run as vpmaddwd + vpaddd on 8-lane vectors (attend_avx2), where they and
 // not the bytes bound the task: each 64-token block's K and V rows are widened to int16 once for
-// all the GQA group's query heads (benchmarks/int8_decode_ab.py: 1.2x per-head widening). Compiled per
-// GQA group and head_dim (64 or 128) so that the scores and the value accumulators stay in
-// registers; other shapes and other CPUs use a portable loop (float32 arithmetic on the
+// all the GQA group's query heads (benchmarks/int8_decode_ab.py: 1.2x widening per head).
+// Compiled per GQA group and head_dim (64 or 128) so that the scores and the value accumulators
+// stay in registers; other shapes and other CPUs use a portable loop (float32 arithmetic on the
 // dequantised values).
 //
 // Built by vmkv/kernels/cpu_attention_int8.py (g++ -O3 -march=native -fopenmp), called through
@@ -212,7 +212,9 @@ inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
   if (dim % 8 == 0) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vload(xr + d)));
+    for (int64_t d = 0; d < dim; d += 8) {
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vload(xr + d)));
+    }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
@@ -224,7 +226,8 @@ inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
       const __m256 r = _mm256_round_ps(_mm256_mul_ps(vload(xr + d), inv),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i w = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w),
+                                          _mm256_extracti128_si256(w, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(w16, w16));
     }
     std::memcpy(dst + dim, &h, sizeof(h));
