@@ -260,33 +260,30 @@ inline void store_output(float* acc, int64_t dim, float inv, T* o) {
   for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d]);
 }
 
+#if defined(VMKV_VECTOR)
+// kLanes int8 values at p, as floats.
+inline vfloat vload_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+#endif
+
 // A cache row's dim values (int8 * its scale) in the model's basis (rotated back), as T.
 template <typename T>
 inline void dequantize_row(const int8_t* row, int64_t dim, T* dst) {
   alignas(64) float x[kMaxDim];
   const float s = row_scale(row, dim);
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512i w = _mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
-      _mm512_store_ps(x + d, _mm512_mul_ps(_mm512_cvtepi32_ps(w), sv));
-    }
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {
+    const vfloat sv = vset1(s);
+    for (int64_t d = 0; d < dim; d += kLanes) vstore(x + d, vmul(vload_int8(row + d), sv));
     if (rotated(dim)) hadamard(x, dim);
-    for (int64_t d = 0; d < dim; d += 16) vstore(dst + d, vload(x + d));
-    return;
-  }
-#elif defined(VMKV_VECTOR)
-  if (dim % 8 == 0) {
-    const __m256 sv = _mm256_set1_ps(s);
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256i w = _mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
-      _mm256_store_ps(x + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
-    }
-    if (rotated(dim)) hadamard(x, dim);
-    for (int64_t d = 0; d < dim; d += 8) vstore(dst + d, vload(x + d));
+    for (int64_t d = 0; d < dim; d += kLanes) vstore(dst + d, vload(x + d));
     return;
   }
 #endif
