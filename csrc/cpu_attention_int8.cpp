@@ -183,6 +183,59 @@ inline void to_cache_basis(const T* x, int64_t dim, float* dst) {
   if (rotated(dim)) hadamard(dst, dim);
 }
 
+#if defined(VMKV_VECTOR)
+// |x| on every lane.
+inline vfloat vabs(vfloat x) {
+#if defined(__AVX512F__)
+  return _mm512_abs_ps(x);
+#else
+  return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+#endif
+}
+
+// The largest lane of x.
+inline float vmax_lane(vfloat x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(x);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
+}
+
+// x rounded to the nearest integer, ties to even (std::nearbyint's default).
+inline vfloat vround_even(vfloat x) {
+#if defined(__AVX512F__)
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+
+// kLanes integral values of x (in [-127, 127]) stored as int8 at p.
+inline void vstore_int8(int8_t* p, vfloat x) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+#else
+  const __m256i w = _mm256_cvtps_epi32(x);
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));
+#endif
+}
+
+// kLanes int8 values at p, as floats.
+inline vfloat vload_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+#endif
+
 // x[0 .. dim) rotated (where rows are) and quantised into dst: dim int8 values, then the
 // float16 scale max|x| / 127 (rounded to nearest even, then clamped: the vector and scalar
 // loops give the same bytes).
@@ -190,45 +243,16 @@ template <typename T>
 inline void quantize_row(const T* x, int64_t dim, int8_t* dst) {
   alignas(64) float xr[kMaxDim];
   to_cache_basis(x, dim, xr);
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    __m512 m = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(vload(xr + d)));
-    const uint16_t h = float_to_half(std::min(_mm512_reduce_max_ps(m) / 127.0f, 65504.0f));
+#if defined(VMKV_VECTOR)
+  if (dim % kLanes == 0) {
+    vfloat m = vzero();
+    for (int64_t d = 0; d < dim; d += kLanes) m = vmax(m, vabs(vload(xr + d)));
+    const uint16_t h = float_to_half(std::min(vmax_lane(m) / 127.0f, 65504.0f));
     const float s = half_to_float(h);
-    const __m512 inv = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(vload(xr + d), inv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-                           _mm512_min_ps(_mm512_max_ps(r, lo), hi))));
-    }
-    std::memcpy(dst + dim, &h, sizeof(h));
-    return;
-  }
-#elif defined(VMKV_VECTOR) && defined(__F16C__)
-  if (dim % 8 == 0) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) {
-      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vload(xr + d)));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const uint16_t h = float_to_half(std::min(amax / 127.0f, 65504.0f));
-    const float s = half_to_float(h);
-    const __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
-    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(vload(xr + d), inv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256i w = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w),
-                                          _mm256_extracti128_si256(w, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(w16, w16));
+    const vfloat inv = vset1(s > 0.0f ? 1.0f / s : 0.0f);
+    const vfloat lo = vset1(-127.0f), hi = vset1(127.0f);
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      vstore_int8(dst + d, vmin(vmax(vround_even(vmul(vload(xr + d), inv)), lo), hi));
     }
     std::memcpy(dst + dim, &h, sizeof(h));
     return;
@@ -259,19 +283,6 @@ inline void store_output(float* acc, int64_t dim, float inv, T* o) {
 #endif
   for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[d]);
 }
-
-#if defined(VMKV_VECTOR)
-// kLanes int8 values at p, as floats.
-inline vfloat vload_int8(const int8_t* p) {
-#if defined(__AVX512F__)
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(p))));
-#else
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(p))));
-#endif
-}
-#endif
 
 // A cache row's dim values (int8 * its scale) in the model's basis (rotated back), as T.
 template <typename T>
@@ -607,12 +618,6 @@ inline __m256i vsum8_i32(const __m256i* v) {
                           _mm256_permute2x128_si256(b0, b1, 0x31));  // + the high halves'
 }
 
-inline float hmax8(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 // Lanes [0, live) all ones, the rest zero (a mask for blendv / and).
 inline __m256 first_lanes(int64_t live) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
@@ -738,7 +743,7 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
                                           _mm256_load_ps(scores[g] + 8 * u),
                                           first_lanes(n - u * 8)));
         }
-        const float m_new = std::max(m[r], hmax8(block_max));
+        const float m_new = std::max(m[r], vmax_lane(block_max));
         const float rescale = max_rescale(m[r], m_new);
         __m256 sums = _mm256_setzero_ps(), w_max = _mm256_setzero_ps();
         __m256 w[kBlock / 8];
@@ -751,7 +756,7 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
           w[u] = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * u));
           w_max = _mm256_max_ps(w_max, w[u]);
         }
-        const float wm = hmax8(w_max);
+        const float wm = vmax_lane(w_max);
         const __m256 to_int = _mm256_set1_ps(wm > 0.0f ? 32767.0f / wm : 0.0f);
         for (int64_t u = 0; u < vecs_n; ++u) {
           const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(w[u], to_int));
