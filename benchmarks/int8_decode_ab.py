@@ -7,8 +7,9 @@ Builds csrc/cpu_attention_int8.cpp (and the headers it includes) as committed at
 as in the working tree, with the engine's flags (``-O3 -march=native``), fills one int8 cache per
 layer (``--layers`` of the default model's shapes: 9 query heads, 3 KV heads, head_dim 64, so
 a step reads its K/V from memory as the engine's step does, not from the last level cache), and
-times one decode step over every layer with each build, the builds alternated per repetition:
-medians (ms per step), base / working tree, and whether their outputs are bit-identical.
+times one decode step over every layer with each build (int8_kernels.time_ways: the builds
+alternated per repetition, each warmed by one step first): medians (ms per step), base /
+working tree, and whether their outputs are bit-identical.
 Virtual addressing (each request's rows contiguous). A benchmark, not a test: no assertion on
 speed.
 """
@@ -17,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from vmkv.kernels import cpu_attention_int8
 from vmkv.kernels.build import CPU_FLAGS, CSRC
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_kernels import save  # noqa: E402
+from int8_kernels import save, time_ways  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -70,21 +70,14 @@ def step_ms(libs: dict[str, ctypes.CDLL], batch: int, context: int, layers: int,
     starts = torch.arange(batch, dtype=torch.int64) * slot
     outs = {name: torch.empty(batch, HEADS * DIM) for name in libs}
 
-    def run(name: str) -> None:
+    def step(name: str, q: torch.Tensor) -> None:
         for k, v in caches:
             cpu_attention_int8.decode(q, k, v, lens, DIM ** -0.5, starts=starts, out=outs[name],
                                       lib=libs[name])
 
-    times: dict[str, list[float]] = {name: [] for name in libs}
-    for name in libs:
-        run(name)  # warm
-    for _ in range(repeats):
-        for name in libs:
-            start = time.perf_counter()
-            run(name)
-            times[name].append((time.perf_counter() - start) * 1e3)
+    ms = time_ways({name: [functools.partial(step, name)] for name in libs}, [q], repeats, 1)
     base, tree = outs.values()
-    return {name: statistics.median(t) for name, t in times.items()}, torch.equal(base, tree)
+    return ms, torch.equal(base, tree)
 
 
 def main() -> int:
