@@ -648,7 +648,7 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(16) uint16_t ks16[kBlock], vs16[kBlock];  // the rows' float16 scales
   alignas(32) float vs[kBlock];
   alignas(32) __m256i pairs[kBlock / 2][2 * CH];  // V rows 2p, 2p + 1 widened, interleaved
-  alignas(32) int16_t wq[GROUP][kBlock + 32];  // w of the head's block as int16, + zeros
+  alignas(32) int16_t wq[GROUP][kBlock];  // w of the head's block as int16 (masked: 0 past n)
   int64_t rows[kBlock], next_rows[kBlock];  // byte offsets of the block's rows (and the next's)
   prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
@@ -666,7 +666,6 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  for (int g = 0; g < GROUP; ++g) wq[g][kBlock] = wq[g][kBlock + 1] = 0;
   const auto offset_of = [&](int64_t t) {
     return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size) * a.stride_row;
   };
@@ -764,7 +763,6 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
                           _mm_packs_epi32(_mm256_castsi256_si128(x),
                                           _mm256_extracti128_si256(x, 1)));
         }
-        for (int64_t j = vecs_n * 8; j < kBlock; ++j) wq[g][j] = 0;
         l[r] = l[r] * rescale + vsum(sums);
         m[r] = m_new;
         const __m256 f = _mm256_set1_ps(rescale), ws = _mm256_set1_ps(wm / 32767.0f);
