@@ -41,8 +41,11 @@ def source_at(revision: str, folder: Path) -> Path:
     """The decode kernel's source and its local headers as committed at ``revision``, in
     ``folder``."""
     def show(name: str) -> str:
-        return subprocess.run(["git", "show", f"{revision}:csrc/{name}"], cwd=CSRC.parent,
-                              check=True, capture_output=True, text=True).stdout
+        done = subprocess.run(["git", "show", f"{revision}:csrc/{name}"], cwd=CSRC.parent,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"--base {revision}: no csrc/{name} there ({done.stderr.strip()})")
+        return done.stdout
     text = show(cpu_attention_int8.SOURCE.name)
     for header in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
         (folder / header).write_text(show(header))
