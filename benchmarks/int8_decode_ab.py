@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,29 +27,13 @@ import torch
 
 from vmkv.cpu_info import cpu_features, cpu_model
 from vmkv.kernels import cpu_attention_int8
-from vmkv.kernels.build import CPU_FLAGS, CSRC
+from vmkv.kernels.build import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
+from kernel_revisions import source_at  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def source_at(revision: str, folder: Path) -> Path:
-    """The decode kernel's source and its local headers as committed at ``revision``, in
-    ``folder``."""
-    def show(name: str) -> str:
-        done = subprocess.run(["git", "show", f"{revision}:csrc/{name}"], cwd=CSRC.parent,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"--base {revision}: no csrc/{name} there ({done.stderr.strip()})")
-        return done.stdout
-    text = show(cpu_attention_int8.SOURCE.name)
-    for header in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
-        (folder / header).write_text(show(header))
-    path = folder / cpu_attention_int8.SOURCE.name
-    path.write_text(text)
-    return path
 
 
 def step_ms(libs: dict[str, ctypes.CDLL], batch: int, context: int, layers: int,
@@ -94,7 +76,8 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
-        libs = {args.base: cpu_attention_int8.build(CPU_FLAGS, source_at(args.base, Path(folder))),
+        libs = {args.base: cpu_attention_int8.build(
+            CPU_FLAGS, source_at(cpu_attention_int8.SOURCE, args.base, Path(folder))),
                 "tree": cpu_attention_int8.build(CPU_FLAGS)}
         if None in libs.values():
             raise SystemExit("a build failed (see the warning above)")

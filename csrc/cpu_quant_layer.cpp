@@ -117,7 +117,7 @@ using quant::QActs;
 
 constexpr int kAttentionPart = 2;   // the profiling counter of decode_layers' attention calls
 constexpr int64_t kSmallRows = 64;  // up to this many rows: the groups split over the threads
-constexpr int64_t kTileRows = 64;   // rows per tile beyond it (prefill)
+constexpr int64_t kTileRows = 64;   // rows per tile beyond it (prefill), integer products
 
 // Group g of w: its first record, format, first output column and live columns.
 struct GroupRef {
@@ -186,12 +186,14 @@ QActs quantize(const T* x, int64_t ldx, int64_t m, int64_t k) {
 
 // Runs task(m0, rows, group, c) for every (row tile, group) of an m-row product over the OpenMP
 // team, c a float32 scratch tile [tile rows][16]. Few rows: one tile, groups split over the
-// threads (each streams a contiguous share of the weight); many: tiles of kTileRows, each
-// thread's tasks tile by tile.
-template <typename Task>
+// threads (each streams a contiguous share of the weight); many: tiles of at most Rows::kTileMax
+// rows, a multiple of Rows::kRowStep each (the last one apart), each thread's tasks tile by tile.
+template <typename Rows, typename Task>
 void for_each_group(int64_t m, int64_t groups, Task&& task) {
-  const int64_t tiles = m > kSmallRows ? (m + kTileRows - 1) / kTileRows : 1;
-  const int64_t tile_rows = (m + tiles - 1) / tiles, tasks = tiles * groups;
+  const int64_t tiles = m > kSmallRows ? (m + Rows::kTileMax - 1) / Rows::kTileMax : 1;
+  const int64_t even = (m + tiles - 1) / tiles, step = Rows::kRowStep;
+  const int64_t tile_rows = tiles == 1 ? m : (even + step - 1) / step * step;
+  const int64_t tasks = tiles * groups;
 #pragma omp parallel if (tasks > 1)
   {
     std::vector<float> scratch(static_cast<size_t>(2 * tile_rows * kGroup));
@@ -339,6 +341,7 @@ bool tiled_gate_up(const VmkvQLinear& w, const bf16* h, int64_t m, int64_t inter
 // c [rows, 16] = activation rows m0 .. m0 + rows times one group: integer products on the
 // activations quantised per block.
 struct IntegerRows {
+  static constexpr int64_t kTileMax = kTileRows, kRowStep = 1;
   QActs a;
   int64_t nb;  // records per group
   void operator()(const GroupRef& ref, int64_t m0, int64_t rows, float* c) const {
@@ -352,8 +355,12 @@ struct IntegerRows {
 int64_t g_f32_tile_rows = 0;
 
 // The same on float32 activations x (row stride ldx): the group dequantized into the calling
-// thread's float32 tile, then float32 FMAs (csrc/cpu_quant_f32_tiles.h).
+// thread's float32 tile, then float32 FMAs (csrc/cpu_quant_f32_tiles.h). Prefill's row tiles are
+// 20 passes of kF32Pass rows: tiles of 64 (10 passes and a pass of 4, the group dequantized per 64
+// rows) ran at ~82 GF/s a core on a 2-core AVX2 EPYC (Zen 3) where 120 ran at ~90 (single thread,
+// 2048 x 576 x 3072 and 2048 x 1536 x 576; 96 and 144-360 within noise of 120).
 struct TileRows {
+  static constexpr int64_t kTileMax = 20 * quant::kF32Pass, kRowStep = quant::kF32Pass;
   const float* x;
   int64_t ldx, k;
   void operator()(const GroupRef& ref, int64_t m0, int64_t rows, float* c) const {
@@ -370,7 +377,7 @@ struct TileRows {
 template <Store S, typename T, typename Out, typename Rows>
 void linear(const VmkvQLinear& w, const Rows& group_rows, int64_t m, Out* out, int64_t ldo) {
   const T* bias = static_cast<const T*>(w.bias);
-  for_each_group(m, num_groups(w), [&](int64_t m0, int64_t rows, int64_t g, float* c) {
+  for_each_group<Rows>(m, num_groups(w), [&](int64_t m0, int64_t rows, int64_t g, float* c) {
     const GroupRef ref = group_ref(w, g);
     group_rows(ref, m0, rows, c);
     store_rows<S>(c, kGroup, rows, bias, ref.n0, ref.cols, out + m0 * ldo, ldo);
@@ -384,7 +391,7 @@ void gate_up_act(const VmkvQLinear& w, const Rows& group_rows, int64_t m, int64_
   const int64_t pairs = inter / kGroup;
   const T* bias = static_cast<const T*>(w.bias);
   const T* bias_up = bias != nullptr ? bias + inter : nullptr;
-  for_each_group(m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
+  for_each_group<Rows>(m, pairs, [&](int64_t m0, int64_t rows, int64_t j, float* c) {
     float* up = c + rows * kGroup;
     group_rows(group_ref(w, j), m0, rows, c);
     group_rows(group_ref(w, pairs + j), m0, rows, up);

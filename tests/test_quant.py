@@ -154,9 +154,9 @@ def test_many_float32_rows_multiply_dequantized_float32_tiles(ggml_type: int,
                                                               ) -> None:
     """AVX2 builds (the no-avx512 build, on every x86 CPU here): from F32_TILE_ROWS float32 rows
     on, a product is the dequantized weight times them in float32 (within 2e-6 of float64: no
-    activation rounding; several row tiles, a partial group and a bias included); below it, the
-    integer products, bit for bit the portable build's. Native AVX-512 builds have no float32
-    tiles."""
+    activation rounding; several row tiles, a short last one, a partial group and a bias
+    included); below it, the integer products, bit for bit the portable build's. Native AVX-512
+    builds have no float32 tiles."""
     native = cpu_quant.build(cpu_quant.FLAGS)
     assert cpu_quant.use_f32_tiles(native) == (cpu_quant.code_path() == "avx2")
     use_build(cpu_quant, "no-avx512", monkeypatch)
@@ -167,7 +167,7 @@ def test_many_float32_rows_multiply_dequantized_float32_tiles(ggml_type: int,
         with pytest.raises(ValueError, match="whole number"):
             cpu_quant.use_f32_tiles(cpu_quant.library())
     assert cpu_quant.use_f32_tiles(cpu_quant.library())
-    for rows, k, m in ((200, 1536, cpu_quant.F32_TILE_ROWS), (40, 96, 300),
+    for rows, k, m in ((200, 1536, cpu_quant.F32_TILE_ROWS), (40, 96, 300), (40, 96, 2041),
                        (40, 96, cpu_quant.F32_TILE_ROWS - 1)):
         raw = quantized(ggml_type, rows, k)
         w = torch.from_numpy(dequantized(raw, ggml_type, k)).double()

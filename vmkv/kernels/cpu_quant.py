@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -96,11 +97,12 @@ class DecodeArgs(ctypes.Structure):
 
 
 @functools.cache
-def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """The library built with ``flags`` (cached); None where it cannot be built (the reason:
+def build(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The library built from ``source`` (another revision's copy, for an A/B) with ``flags``
+    (cached); None where it cannot be built (the reason:
     ``vmkv.kernels.build.load_failure(LIBRARY)``). Tests build each code path the CPU can run
     (``-mno-avx512f``, ``-mno-avx2``)."""
-    lib = load_cpu_library(SOURCE, flags, LIBRARY, FALLBACK)
+    lib = load_cpu_library(source, flags, LIBRARY, FALLBACK)
     if lib is None:
         return None
     linear, layer, shape = (ctypes.POINTER(LinearArgs), ctypes.POINTER(LayerArgs),
