@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
@@ -52,13 +53,14 @@ def _lib() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernel library built with ``flags`` (cached); None where it cannot be built (the
-    reason: ``vmkv.kernels.build.load_failure(LIBRARY)``).
+def build(flags: tuple[str, ...], source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The kernel library built from ``source`` (another revision's copy, for an A/B) with
+    ``flags`` (cached); None where it cannot be built (the reason:
+    ``vmkv.kernels.build.load_failure(LIBRARY)``).
 
     The source has AVX-512, AVX2 and portable paths (the compiler's choice by ``-march``);
     tests build each one the CPU can run (``-mno-avx512f``, ``-mno-avx2``)."""
-    lib = load_cpu_library(SOURCE, flags, LIBRARY, FALLBACK)
+    lib = load_cpu_library(source, flags, LIBRARY, FALLBACK)
     if lib is None:
         return None
     lib.vmkv_cpu_decode_attention.argtypes = _DECODE_ARGTYPES
@@ -85,11 +87,13 @@ def decode_address() -> int:
 
 
 def _checked(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-             starts: torch.Tensor | None, block_table: torch.Tensor | None
+             starts: torch.Tensor | None, block_table: torch.Tensor | None,
+             lib: ctypes.CDLL | None = None
              ) -> tuple[ctypes.CDLL, torch.Tensor | None, torch.Tensor | None, int]:
-    """Checks both kernels share; the library and the addressing as the kernel reads it
-    (``starts`` int64, ``block_table`` int32 and its row stride; the caller keeps them alive)."""
-    lib = _lib()
+    """Checks both kernels share; the library (``lib``, else the tree's) and the addressing as
+    the kernel reads it (``starts`` int64, ``block_table`` int32 and its row stride; the caller
+    keeps them alive)."""
+    lib = lib or _lib()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
     if q.dtype not in DTYPE_CODES or k_rows.dtype != q.dtype or v_rows.dtype != q.dtype:
@@ -177,8 +181,9 @@ def decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_lens
 def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start: torch.Tensor,
             q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
             starts: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-            block_size: int = 0, window: int = 0) -> None:
-    """Causal attention of prefill chunks, written into ``out``.
+            block_size: int = 0, window: int = 0, lib: ctypes.CDLL | None = None) -> None:
+    """Causal attention of prefill chunks, written into ``out`` (by ``lib``, a :func:`build`, else
+    the tree's library).
 
     Entry ``b`` owns rows ``q_start[b] .. + q_lens[b]`` of ``q [T, heads, D]`` and of
     ``out [T, heads * D]`` (other rows are left alone), and has ``seq_lens[b]`` tokens cached
@@ -188,7 +193,7 @@ def prefill(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_start
     ``block_table`` as in :func:`decode`. Nothing else is read.
     """
     lib, starts, block_table, table_stride = _checked("prefill", q, k_rows, v_rows, starts,
-                                                      block_table)
+                                                      block_table, lib)
     tokens, heads, dim = q.shape
     if out.dtype != q.dtype or out.shape != (tokens, heads * dim) or out.stride(-1) != 1:
         raise ValueError(f"out must be {q.dtype} [{tokens}, {heads * dim}], got {out.dtype} "
