@@ -129,11 +129,11 @@ inline void softmax_tile_row(float* pr, int64_t visible, float& m, float& l, flo
                              int64_t dim) {
   float tile_max = -INFINITY;
   int64_t j = 0;
-#if defined(__AVX512F__)  // whole vectors at once (exact: max does not round)
+#if defined(VMKV_VECTOR)  // whole vectors at once (exact: max does not round)
   if (visible >= kLanes) {
     vfloat vm = vload(pr);
     for (j = kLanes; j + kLanes <= visible; j += kLanes) vm = vmax(vm, vload(pr + j));
-    tile_max = _mm512_reduce_max_ps(vm);
+    tile_max = vmax_lane(vm);
   }
 #endif
   for (; j < visible; ++j) tile_max = std::max(tile_max, pr[j]);

@@ -193,17 +193,6 @@ inline vfloat vabs(vfloat x) {
 #endif
 }
 
-// The largest lane of x.
-inline float vmax_lane(vfloat x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(x);
-#else
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-#endif
-}
-
 // x rounded to the nearest integer, ties to even (std::nearbyint's default).
 inline vfloat vround_even(vfloat x) {
 #if defined(__AVX512F__)

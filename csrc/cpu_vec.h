@@ -92,6 +92,7 @@ inline vfloat vpow2(vfloat i) {  // 2^i for integral i in [-126, 127]
       _mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23));
 }
 inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
+inline float vmax_lane(vfloat x) { return _mm512_reduce_max_ps(x); }  // the largest lane
 inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
   return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << live) - 1u), x);
 }
@@ -118,6 +119,11 @@ inline float vsum(vfloat x) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline float vmax_lane(vfloat x) {  // the largest lane
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline vfloat vfirst(vfloat x, int64_t live) {  // lanes >= live zeroed (NaN included)
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
