@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-from vmkv.cpu_info import cpu_features, cpu_model
 from vmkv.kernels import cpu_attention_int8
-from vmkv.kernels.build import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
-from kernel_revisions import source_at  # noqa: E402
+from kernel_revisions import builds, machine  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -76,11 +74,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
-        libs = {args.base: cpu_attention_int8.build(
-            CPU_FLAGS, source_at(cpu_attention_int8.SOURCE, args.base, Path(folder))),
-                "tree": cpu_attention_int8.build(CPU_FLAGS)}
-        if None in libs.values():
-            raise SystemExit("a build failed (see the warning above)")
+        libs = builds(cpu_attention_int8.build, cpu_attention_int8.SOURCE, args.base, Path(folder))
         for context in (int(c) for c in args.context_lens.split(",")):
             ms, identical = step_ms(libs, args.batch, context, args.layers, args.repeats)
             rows.append({"context": context, "ms": ms, "base_over_tree": ms[args.base] / ms["tree"],
@@ -90,9 +84,7 @@ def main() -> int:
     return save({"bench": "int8_decode_ab", "base": args.base, "batch": args.batch,
                  "layers": args.layers, "threads": torch.get_num_threads(),
                  "unit": "ms per decode step (all layers)",
-                 "machine": {"cpu": cpu_model(), "flags": [
-                     f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
-                     if f in cpu_features().split()]},
+                 "machine": machine(),
                  "rows": rows}, args.json)
 
 

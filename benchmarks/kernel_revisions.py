@@ -4,11 +4,18 @@ machine whose speed wanders between runs, only builds alternated in one sitting 
 
 from __future__ import annotations
 
+import ctypes
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from vmkv.kernels.build import CSRC
+from vmkv.cpu_info import cpu_features, cpu_model
+from vmkv.kernels.build import CPU_FLAGS, CSRC
+
+#: the flags a result's machine names
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"', flags=re.MULTILINE)
 
@@ -34,3 +41,20 @@ def source_at(source: Path, revision: str, folder: Path) -> Path:
         written.add(name)
         pending.extend(_INCLUDE.findall(text))
     return folder / source.name
+
+
+def builds(build: Callable[..., ctypes.CDLL | None], source: Path, base: str, folder: Path
+           ) -> dict[str, ctypes.CDLL]:
+    """``{base: the library built from source as committed at base, "tree": the working tree's}``,
+    both with the engine's flags (``build(flags, source)``: a kernel module's build); SystemExit
+    when either build fails."""
+    at_base, tree = build(CPU_FLAGS, source_at(source, base, folder)), build(CPU_FLAGS, source)
+    if at_base is None or tree is None:
+        raise SystemExit("a build failed (see the warning above)")
+    return {base: at_base, "tree": tree}
+
+
+def machine() -> dict[str, Any]:
+    """The CPU model and its vector flags, for a result's JSON."""
+    flags = cpu_features().split()
+    return {"cpu": cpu_model(), "flags": [f for f in VECTOR_FLAGS if f in flags]}

@@ -23,13 +23,11 @@ from pathlib import Path
 
 import torch
 
-from vmkv.cpu_info import cpu_features, cpu_model
 from vmkv.kernels import cpu_attention
-from vmkv.kernels.build import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
-from kernel_revisions import source_at  # noqa: E402
+from kernel_revisions import builds, machine  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -69,11 +67,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
-        libs = {args.base: cpu_attention.build(
-            CPU_FLAGS, source_at(cpu_attention.SOURCE, args.base, Path(folder))),
-                "tree": cpu_attention.build(CPU_FLAGS)}
-        if None in libs.values():
-            raise SystemExit("a build failed (see the warning above)")
+        libs = builds(cpu_attention.build, cpu_attention.SOURCE, args.base, Path(folder))
         for shape in args.prompts.split(","):
             prompts, length = (int(n) for n in shape.split("x"))
             ms, identical = step_ms(libs, prompts, length, args.layers, args.repeats)
@@ -83,9 +77,7 @@ def main() -> int:
                   f"({rows[-1]['base_over_tree']:.3f}x), bit-identical {identical}", flush=True)
     return save({"bench": "prefill_attention_ab", "base": args.base, "layers": args.layers,
                  "threads": torch.get_num_threads(), "unit": "ms per prefill step (all layers)",
-                 "machine": {"cpu": cpu_model(), "flags": [
-                     f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
-                     if f in cpu_features().split()]},
+                 "machine": machine(),
                  "rows": rows}, args.json)
 
 

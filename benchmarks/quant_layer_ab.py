@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-from vmkv.cpu_info import cpu_features, cpu_model
 from vmkv.kernels import cpu_quant
-from vmkv.kernels.build import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
-from kernel_revisions import source_at  # noqa: E402
+from kernel_revisions import builds, machine  # noqa: E402
 from quant_f32_tiles import LAYER, quant_linear  # noqa: E402
 
 
@@ -71,11 +69,7 @@ def main() -> int:
     flop_per_row = 2 * sum(n * k for n, k in LAYER)
     results = []
     with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
-        libs = {args.base: cpu_quant.build(
-            CPU_FLAGS, source_at(cpu_quant.SOURCE, args.base, Path(folder))),
-                "tree": cpu_quant.build(CPU_FLAGS)}
-        if None in libs.values():
-            raise SystemExit("a build failed (see the warning above)")
+        libs = builds(cpu_quant.build, cpu_quant.SOURCE, args.base, Path(folder))
         for rows in (int(r) for r in args.rows.split(",")):
             ms, identical = layer_ms(libs, rows, args.format, args.repeats)
             gflops = {name: flop_per_row * rows / t / 1e6 for name, t in ms.items()}
@@ -88,9 +82,7 @@ def main() -> int:
     return save({"bench": "quant_layer_ab", "base": args.base, "format": args.format,
                  "threads": torch.get_num_threads(), "code_path": cpu_quant.code_path(),
                  "unit": "ms per layer's four products (median)",
-                 "machine": {"cpu": cpu_model(), "flags": [
-                     f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
-                     if f in cpu_features().split()]},
+                 "machine": machine(),
                  "rows": results}, args.json)
 
 
