@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -126,7 +125,7 @@ def main() -> int:
             "best_peer": best_peer,
             "floor_over_best_peer": floor_tps / peers[best_peer] if best_peer else None,
         }
-        print(f"\n{mix}: {statistics.fsum(flops.values()) / 1e12:.2f} TFLOP ("
+        print(f"\n{mix}: {sum(flops.values()) / 1e12:.2f} TFLOP ("
               + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.items())
               + f"); floor {floor_s:.1f} s = {floor_tps:.1f} output tok/s")
         for e, t in medians.items():

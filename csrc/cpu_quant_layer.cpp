@@ -192,7 +192,7 @@ template <typename Rows, typename Task>
 void for_each_group(int64_t m, int64_t groups, Task&& task) {
   const int64_t tiles = m > kSmallRows ? (m + Rows::kTileMax - 1) / Rows::kTileMax : 1;
   const int64_t even = (m + tiles - 1) / tiles, step = Rows::kRowStep;
-  const int64_t tile_rows = tiles == 1 ? m : (even + step - 1) / step * step;
+  const int64_t tile_rows = (even + step - 1) / step * step;
   const int64_t tasks = tiles * groups;
 #pragma omp parallel if (tasks > 1)
   {
