@@ -10,7 +10,7 @@ token, attention for every fed token over the keys it sees (causal: position t s
 QK^T and PV, 4 FLOPs per key and head dimension). Its **floor** is that work at the fastest rate
 this CPU has shown for the model's own products: the default model's four layer products on
 2048 rows of ``--dtype`` activations through vmkv's quantized-weight library (the GGUF file's
-Q4_1; float32 on an AVX2 build takes the dequantized float32 tiles), the best of
+Q4_1; an AVX2 build takes its int16 tiles), the best of
 ``--repeats`` timings, so the floor is one no engine here is likely to beat (attention, the
 LM head and the elementwise work counted at that rate too, nothing else counted). Printed per
 mix: the work, the floor's output tokens/s, every engine's median and the share of the floor it
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from best_peers import write_workload  # noqa: E402
 from int8_kernels import save  # noqa: E402
-from quant_f32_tiles import LAYER, quant_linear  # noqa: E402
+from quant_i16_tiles import LAYER, quant_linear  # noqa: E402
 
 RATE_ROWS = 2048  # rows of the products timed for the rate (a prefill step's token budget)
 

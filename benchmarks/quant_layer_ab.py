@@ -11,8 +11,8 @@ model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate|up 3072 x 576, down 576 x 
 weights of the model's scale in ``--format``, the file's Q4_1 by default) on float32 activations
 of each row count, the builds alternated per repetition (int8_kernels.time_ways): medians (ms),
 base / working tree, GFLOP/s, and whether the outputs are bit-identical. Float32 products take
-the library's default route (the dequantized float32 tiles from VMKV_QUANT_F32_TILE_ROWS rows on
-in AVX2 builds, integer products elsewhere). A benchmark, not a test: no assertion on speed.
+the library's default route (the int16 tiles from VMKV_QUANT_I16_TILE_ROWS rows on in AVX2
+builds, integer products elsewhere). A benchmark, not a test: no assertion on speed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vmkv.kernels import cpu_quant
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
 from kernel_revisions import builds, machine  # noqa: E402
-from quant_f32_tiles import LAYER, quant_linear  # noqa: E402
+from quant_i16_tiles import LAYER, quant_linear  # noqa: E402
 
 
 def layer_ms(libs: dict[str, ctypes.CDLL], rows: int, fmt: str, repeats: int

@@ -34,8 +34,8 @@
 // with q the activation's integer codes and d_a its scale. A group of 16 rows is one vector of int32
 // dot products, then of float32 sums: no horizontal reduction anywhere. Every build (AVX-512,
 // AVX2, portable) quantises activations identically and sums each row's blocks in the same order
-// with the same fused multiply-adds, so their outputs are bit-identical (the AVX2 builds' float32
-// tiles for many rows, csrc/cpu_quant_f32_tiles.h, apart).
+// with the same fused multiply-adds, so their outputs are bit-identical (the AVX2 builds' int16
+// tiles for many rows, csrc/cpu_quant_i16_tiles.h, included).
 #pragma once
 
 #include <cmath>
@@ -104,17 +104,18 @@ struct QActs {
   float* d;
   float* s;
   int32_t* z;
-  int64_t k;  // inputs per row (a multiple of 32)
+  int16_t* codes;  // nullptr, or the codes a as one int16 each (csrc/cpu_quant_i16_tiles.h)
+  int64_t k;       // inputs per row (a multiple of 32)
   int64_t blocks() const { return k / kBlock; }
 };
 
-// Bytes QActs needs for m rows of k inputs (64-byte aligned parts).
-inline int64_t qacts_bytes(int64_t m, int64_t k) {
+// Bytes QActs needs for m rows of k inputs (64-byte aligned parts), with int16 codes or not.
+inline int64_t qacts_bytes(int64_t m, int64_t k, bool with_codes = false) {
   const int64_t codes = (m * k + 63) / 64 * 64, per_block = (m * (k / kBlock) * 4 + 63) / 64 * 64;
-  return 2 * codes + 3 * per_block;
+  return (with_codes ? 4 : 2) * codes + 3 * per_block;
 }
 
-inline QActs qacts_in(void* buffer, int64_t m, int64_t k) {
+inline QActs qacts_in(void* buffer, int64_t m, int64_t k, bool with_codes = false) {
   char* p = static_cast<char*>(buffer);
   const int64_t codes = (m * k + 63) / 64 * 64, per_block = (m * (k / kBlock) * 4 + 63) / 64 * 64;
   QActs a;
@@ -123,6 +124,7 @@ inline QActs qacts_in(void* buffer, int64_t m, int64_t k) {
   a.d = reinterpret_cast<float*>(p + 2 * codes);
   a.s = reinterpret_cast<float*>(p + 2 * codes + per_block);
   a.z = reinterpret_cast<int32_t*>(p + 2 * codes + 2 * per_block);
+  a.codes = with_codes ? reinterpret_cast<int16_t*>(p + 2 * codes + 3 * per_block) : nullptr;
   a.k = k;
   return a;
 }
@@ -130,10 +132,11 @@ inline QActs qacts_in(void* buffer, int64_t m, int64_t k) {
 constexpr float kLevels = 127.0f * 128.0f;  // the codes' largest magnitude (16256)
 
 // One block of 32 values: d = max|x| / 16256, a = round-to-nearest-even(x * (1 / d)) split
-// into hi = floor((a + 64) / 128) and lo = a - 128 hi, z = sum a, s = d * z. Identical in every
-// build.
+// into hi = floor((a + 64) / 128) and lo = a - 128 hi, z = sum a, s = d * z; and a itself into
+// codes unless that is nullptr. Identical in every build.
 template <typename T>
-inline void quantize_block(const T* x, int8_t* hi, int8_t* lo, float* d, float* s, int32_t* z) {
+inline void quantize_block(const T* x, int8_t* hi, int8_t* lo, float* d, float* s, int32_t* z,
+                           int16_t* codes) {
 #if defined(__AVX512F__)
   const vfloat x0 = vload(x), x1 = vload(x + 16);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -147,8 +150,47 @@ inline void quantize_block(const T* x, int8_t* hi, int8_t* lo, float* d, float* 
     const __m512i l = _mm512_sub_epi32(a, _mm512_slli_epi32(h, 7));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * half), _mm512_cvtsepi32_epi8(h));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * half), _mm512_cvtsepi32_epi8(l));
+    if (codes != nullptr) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16 * half), _mm512_cvtsepi32_epi16(a));
+    }
     sum += _mm512_reduce_add_epi32(a);
   }
+#elif defined(VMKV_VECTOR)
+  vfloat v[4], amax8 = vzero();
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = vload(x + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], absmask));
+  }
+  const float amax = vmax_lane(amax8);
+  const float scale = amax / kLevels, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  __m256i a[4], h[4], l[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    h[i] = _mm256_srai_epi32(_mm256_add_epi32(a[i], _mm256_set1_epi32(64)), 7);
+    l[i] = _mm256_sub_epi32(a[i], _mm256_slli_epi32(h[i], 7));
+    total = _mm256_add_epi32(total, a[i]);
+  }
+  // packs work within 128-bit lanes: 8 dwords of 4 bytes come out as rows 0, 1, 2, 3 of each
+  // half in turn; this order puts them back
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const auto bytes = [&](const __m256i* w) {
+    return _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3])), order);
+  };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), bytes(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), bytes(l));
+  if (codes != nullptr) {
+    for (int i = 0; i < 2; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16 * i),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(a[2 * i], a[2 * i + 1]),
+                                                   0xD8));
+    }
+  }
+  const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                     _mm256_extracti128_si256(total, 1));
+  const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+  const int32_t sum = _mm_cvtsi128_si32(two) + _mm_extract_epi32(two, 1);
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
@@ -159,6 +201,7 @@ inline void quantize_block(const T* x, int8_t* hi, int8_t* lo, float* d, float* 
     const int32_t h = (a + 64) >> 7;  // arithmetic shift: floor
     hi[i] = static_cast<int8_t>(h);
     lo[i] = static_cast<int8_t>(a - 128 * h);
+    if (codes != nullptr) codes[i] = static_cast<int16_t>(a);
     sum += a;
   }
 #endif
@@ -175,7 +218,8 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t r0, int64_t r1, const
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t i = r * nb + b;
       const int64_t at = r * a.k + b * kBlock;
-      quantize_block(x + r * ldx + b * kBlock, a.hi + at, a.lo + at, a.d + i, a.s + i, a.z + i);
+      quantize_block(x + r * ldx + b * kBlock, a.hi + at, a.lo + at, a.d + i, a.s + i, a.z + i,
+                     a.codes != nullptr ? a.codes + at : nullptr);
     }
   }
 }

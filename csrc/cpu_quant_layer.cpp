@@ -40,7 +40,7 @@
 #include "cpu_lap.h"
 #include "cpu_layer_ops.h"
 #include "cpu_quant_dequant.h"
-#include "cpu_quant_f32_tiles.h"
+#include "cpu_quant_i16_tiles.h"
 #include "cpu_quant_gemm.h"
 #include "cpu_vec.h"
 
@@ -166,19 +166,20 @@ bool bad_linear(const VmkvQLinear& w, int64_t in, int64_t out) {
   return rows != out;
 }
 
-// The calling thread's buffer for quantised activations (grown, never shrunk).
-QActs quantized(int64_t m, int64_t k) {
+// The calling thread's buffer for quantised activations (grown, never shrunk), with int16
+// codes or not.
+QActs quantized(int64_t m, int64_t k, bool with_codes) {
   thread_local std::vector<char> buffer;
-  const size_t need = static_cast<size_t>(quant::qacts_bytes(m, k)) + 64;
+  const size_t need = static_cast<size_t>(quant::qacts_bytes(m, k, with_codes)) + 64;
   if (buffer.size() < need) buffer.resize(need);
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-  return quant::qacts_in(aligned, m, k);
+  return quant::qacts_in(aligned, m, k, with_codes);
 }
 
 // x [m, k] (row stride ldx) quantised into the calling thread's buffer.
 template <typename T>
-QActs quantize(const T* x, int64_t ldx, int64_t m, int64_t k) {
-  const QActs a = quantized(m, k);
+QActs quantize(const T* x, int64_t ldx, int64_t m, int64_t k, bool with_codes = false) {
+  const QActs a = quantized(m, k, with_codes);
 #pragma omp parallel for schedule(static) if (m >= kParallelRows)
   for (int64_t r = 0; r < m; ++r) quant::quantize_rows(x, ldx, r, r + 1, a);
   return a;
@@ -349,31 +350,33 @@ struct IntegerRows {
   }
 };
 
-#if defined(VMKV_QUANT_F32_TILES)
-// Float32 products of at least this many rows take the dequantized float32 tiles (0: none;
-// vmkv_q_set_f32_tiles).
-int64_t g_f32_tile_rows = 0;
+#if defined(VMKV_QUANT_I16_TILES)
+// Products of at least this many rows take the int16 tiles (0: none; vmkv_q_set_i16_tiles).
+int64_t g_i16_tile_rows = 0;
 
-// The same on float32 activations x (row stride ldx): the group dequantized into the calling
-// thread's float32 tile, then float32 FMAs (csrc/cpu_quant_f32_tiles.h). Prefill's row tiles are
-// 20 passes of kF32Pass rows: tiles of 64 (10 passes and a pass of 4, the group dequantized per 64
-// rows) ran at ~82 GF/s a core on a 2-core AVX2 EPYC (Zen 3) where 120 ran at ~90 (single thread,
-// 2048 x 576 x 3072 and 2048 x 1536 x 576; 96 and 144-360 within noise of 120).
-struct TileRows {
-  static constexpr int64_t kTileMax = 20 * quant::kF32Pass, kRowStep = quant::kF32Pass;
-  const float* x;
-  int64_t ldx, k;
+// The same products, bit for bit, on int16 tiles (csrc/cpu_quant_i16_tiles.h): the group widened
+// once into the calling thread's tile, times the activations' int16 codes (a.codes).
+// Prefill's row tiles are 20 passes of kI16Pass rows: the group is widened once per 120 rows.
+struct I16Rows {
+  static constexpr int64_t kTileMax = 20 * quant::kI16Pass, kRowStep = quant::kI16Pass;
+  QActs a;
   void operator()(const GroupRef& ref, int64_t m0, int64_t rows, float* c) const {
-    thread_local std::vector<float> tile;
-    if (tile.size() < static_cast<size_t>(k * kGroup)) tile.resize(static_cast<size_t>(k * kGroup));
-    quant::dequant_group_f32(ref.format, ref.rec, k / kBlock, tile.data());
-    quant::tile_product_f32(x + m0 * ldx, ldx, rows, tile.data(), k, c);
+    const int64_t k = a.k, nb = k / kBlock;
+    thread_local std::vector<int16_t> tile_codes;
+    thread_local std::vector<float> scales;  // d [nb][16], then m [nb][16]
+    thread_local std::vector<int32_t> sums;  // [nb][kI16Pass][16]
+    tile_codes.resize(std::max(tile_codes.size(), static_cast<size_t>(k * kGroup)));
+    scales.resize(std::max(scales.size(), static_cast<size_t>(2 * nb * kGroup)));
+    sums.resize(std::max(sums.size(), static_cast<size_t>(nb * quant::kI16Pass * kGroup)));
+    const quant::I16Tile tile{tile_codes.data(), scales.data(), scales.data() + nb * kGroup};
+    quant::widen_group(ref.format, ref.rec, nb, tile);
+    quant::tile_product_i16(ref.format, a.codes, k, a, m0, rows, tile, nb, sums.data(), c);
   }
 };
 #endif
 
 // out[m, N] (row stride ldo) = the activations times w^T, group by group through group_rows
-// (IntegerRows or TileRows), each tile row stored by S.
+// (IntegerRows or I16Rows), each tile row stored by S.
 template <Store S, typename T, typename Out, typename Rows>
 void linear(const VmkvQLinear& w, const Rows& group_rows, int64_t m, Out* out, int64_t ldo) {
   const T* bias = static_cast<const T*>(w.bias);
@@ -402,17 +405,15 @@ void gate_up_act(const VmkvQLinear& w, const Rows& group_rows, int64_t m, int64_
   });
 }
 
-// fn(group_rows) with the group products for x [m, k] (row stride ldx): the dequantized float32
-// tiles from vmkv_q_set_f32_tiles' row count on (float32, AVX2 builds), else integer products
-// on x quantised per block.
+// fn(group_rows) with the group products for x [m, k] (row stride ldx) quantised per block:
+// the int16 tiles from vmkv_q_set_i16_tiles' row count on (AVX2 builds), else the integer
+// products (the same results).
 template <typename T, typename Fn>
 void with_group_rows(const T* x, int64_t ldx, int64_t m, int64_t k, Fn&& fn) {
-#if defined(VMKV_QUANT_F32_TILES)
-  if constexpr (std::is_same_v<T, float>) {
-    if (g_f32_tile_rows > 0 && m >= g_f32_tile_rows) {
-      fn(TileRows{x, ldx, k});
-      return;
-    }
+#if defined(VMKV_QUANT_I16_TILES)
+  if (g_i16_tile_rows > 0 && m >= g_i16_tile_rows) {
+    fn(I16Rows{quantize(x, ldx, m, k, true)});
+    return;
   }
 #endif
   fn(IntegerRows{quantize(x, ldx, m, k), k / kBlock});
@@ -583,12 +584,12 @@ int vmkv_q_set_ukernel(VmkvBrgemm brgemm, VmkvBrgemmRelease release, int64_t min
 #endif
 }
 
-// Products on float32 activations of at least min_rows rows (0: none) take dequantized float32
-// tiles and float32 FMAs. Returns 1 where this build has none (not an AVX2 build without
-// AVX-512; nothing set), else 0. Set before products run, not during them.
-int vmkv_q_set_f32_tiles(int64_t min_rows) {
-#if defined(VMKV_QUANT_F32_TILES)
-  g_f32_tile_rows = std::max<int64_t>(min_rows, 0);
+// Products of at least min_rows rows (0: none) take the int16 tiles (the same results). Returns
+// 1 where this build has none (not an AVX2 build without AVX-512; nothing set), else 0. Set
+// before products run, not during them.
+int vmkv_q_set_i16_tiles(int64_t min_rows) {
+#if defined(VMKV_QUANT_I16_TILES)
+  g_i16_tile_rows = std::max<int64_t>(min_rows, 0);
   return 0;
 #else
   (void)min_rows;

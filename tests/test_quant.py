@@ -85,17 +85,16 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 @pytest.fixture
 def integer_products(build: str) -> object:
-    """The native library and ``build``'s with their dequantized tiles off (bf16 and float32:
-    every row count on the integer products), restored after the test."""
+    """The native library and ``build``'s with their dequantized bf16 tiles off (every row
+    count on the integer products, or the AVX2 builds' int16 tiles: the same bits), restored
+    after the test."""
     native = cpu_quant.build(cpu_quant.FLAGS)
     libs = (native, cpu_quant._lib())
     for lib in libs:
         cpu_quant.use_ukernel(lib, 0)
-        cpu_quant.use_f32_tiles(lib, 0)
     yield native
     for lib in libs:
         cpu_quant.use_ukernel(lib)
-        cpu_quant.use_f32_tiles(lib)
 
 
 @pytest.mark.parametrize("ggml_type", list(FORMATS))
@@ -149,39 +148,34 @@ def test_many_rows_multiply_dequantized_tiles(ggml_type: int) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", list(FORMATS))
-def test_many_float32_rows_multiply_dequantized_float32_tiles(ggml_type: int,
-                                                              monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
-    """AVX2 builds (the no-avx512 build, on every x86 CPU here): from F32_TILE_ROWS float32 rows
-    on, a product is the dequantized weight times them in float32 (within 2e-6 of float64: no
-    activation rounding; several row tiles, a short last one, a partial group and a bias
-    included); below it, the integer products, bit for bit the portable build's. Native AVX-512
-    builds have no float32 tiles."""
+def test_many_rows_take_int16_tiles_bit_for_bit(ggml_type: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2 builds (the no-avx512 build, on every x86 CPU here): from I16_TILE_ROWS rows on, a
+    product widens each group once into int16 tiles (csrc/cpu_quant_i16_tiles.h), and gives the
+    portable build's integer products bit for bit, float32 and bf16 activations alike: passes of
+    1-6 rows, several row tiles with a short last one, a partial group and a bias included.
+    Native AVX-512 builds have no int16 tiles."""
     native = cpu_quant.build(cpu_quant.FLAGS)
-    assert cpu_quant.use_f32_tiles(native) == (cpu_quant.code_path() == "avx2")
+    assert cpu_quant.use_i16_tiles(native) == (cpu_quant.code_path() == "avx2")
     use_build(cpu_quant, "no-avx512", monkeypatch)
     with pytest.MonkeyPatch.context() as mp:  # the switch: 0 turns them off, nonsense refused
-        mp.setenv("VMKV_QUANT_F32_TILE_ROWS", "0")
-        assert not cpu_quant.use_f32_tiles(cpu_quant.library())
-        mp.setenv("VMKV_QUANT_F32_TILE_ROWS", "eight")
+        mp.setenv("VMKV_QUANT_I16_TILE_ROWS", "0")
+        assert not cpu_quant.use_i16_tiles(cpu_quant.library())
+        mp.setenv("VMKV_QUANT_I16_TILE_ROWS", "eight")
         with pytest.raises(ValueError, match="whole number"):
-            cpu_quant.use_f32_tiles(cpu_quant.library())
-    assert cpu_quant.use_f32_tiles(cpu_quant.library())
-    for rows, k, m in ((200, 1536, cpu_quant.F32_TILE_ROWS), (40, 96, 300), (40, 96, 2041),
-                       (40, 96, cpu_quant.F32_TILE_ROWS - 1)):
-        raw = quantized(ggml_type, rows, k)
-        w = torch.from_numpy(dequantized(raw, ggml_type, k)).double()
-        bias = torch.randn(rows)
-        lin = QuantLinear([QuantTensor.from_gguf(raw, ggml_type, k)], bias)
+            cpu_quant.use_i16_tiles(cpu_quant.library())
+    assert cpu_quant.use_i16_tiles(cpu_quant.library())
+    for rows, k, m in ((200, 1536, cpu_quant.I16_TILE_ROWS), (40, 96, 13), (40, 96, 125),
+                       (40, 96, 2041), (40, 96, cpu_quant.I16_TILE_ROWS - 1)):
+        raw, bias = quantized(ggml_type, rows, k), torch.randn(rows)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(rows))
-        got = lin(x)
-        want = x.double() @ w.T + bias.double()
-        if m >= cpu_quant.F32_TILE_ROWS:
-            assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max(), m
-        else:
-            with pytest.MonkeyPatch.context() as mp:
-                use_build(cpu_quant, "portable", mp)
-                assert torch.equal(lin(x), got)
+        lins = {dtype: QuantLinear([QuantTensor.from_gguf(raw, ggml_type, k)], bias.to(dtype))
+                for dtype in (torch.float32, torch.bfloat16)}
+        got = {dtype: lin(x.to(dtype)) for dtype, lin in lins.items()}
+        with pytest.MonkeyPatch.context() as mp:
+            use_build(cpu_quant, "portable", mp)
+            for dtype, lin in lins.items():
+                assert torch.equal(lin(x.to(dtype)), got[dtype]), (m, dtype)
 
 
 def test_segments_of_different_formats_make_one_linear() -> None:
@@ -275,30 +269,6 @@ def test_teacher_forced_agreement_with_the_dequantized_model(default_model: tupl
         agree = (logits[quant].argmax(-1) == logits["none"].argmax(-1)).float().mean().item()
         assert agree >= 0.99, (quant, agree)
         assert abs(np.exp(nll[quant] - nll["none"]) - 1) <= 0.005, (quant, nll)
-
-
-def test_float32_tiles_give_the_dequantized_models_logits(default_model: tuple,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model's fused layers and LM head on the AVX2 build's float32 tiles (a
-    40-token prefill): the dequantized float32 model's logits within 1e-3 (measured 1.7e-4;
-    the integer products' activation rounding: 1.5e-2)."""
-    from vmkv.models import load_tokenizer
-
-    path, _ = default_model
-    use_build(cpu_quant, "no-avx512", monkeypatch)
-    assert cpu_quant.use_f32_tiles(cpu_quant.library())
-    ids = load_tokenizer(path)("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
-    assert len(ids) >= 40 > cpu_quant.F32_TILE_ROWS
-    logits = []
-    for quant in ("gguf", "none"):
-        model, cfg = load_model(path, torch.float32, quantization=quant)
-        assert fuse_layers(model) is not None or quant == "none"
-        kv = make_kv(cfg, "virtual", max_model_len=512)
-        try:
-            logits.append(prefill_logits(model, kv, ids[:40]))
-        finally:
-            kv.close()
-    assert (logits[0] - logits[1]).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -58,11 +58,12 @@ VMKV_QUANTIZATION = EnvVar(
     "also win on prefill and batched decode (docs/models.md, \"Quantized weights\"); the test "
     "suite sets none too, so its equality checks against the dequantized float32 model and "
     "transformers hold, and its quantization tests ask for their formats")
-VMKV_QUANT_F32_TILE_ROWS = EnvVar(
-    "VMKV_QUANT_F32_TILE_ROWS", "8",
-    "AVX2 CPUs without AVX-512: float32 products on GGUF or int8 blocks of at least this many "
-    "rows multiply the blocks dequantized into float32 tiles (csrc/cpu_quant_f32_tiles.h; "
-    "docs/models.md, \"Quantized weights\"); 0: the integer products at every row count")
+VMKV_QUANT_I16_TILE_ROWS = EnvVar(
+    "VMKV_QUANT_I16_TILE_ROWS", "8",
+    "AVX2 CPUs without AVX-512: products on GGUF or int8 blocks of at least this many rows "
+    "multiply the blocks widened into int16 tiles by vpmaddwd (csrc/cpu_quant_i16_tiles.h; the "
+    "same results; docs/models.md, \"Quantized weights\"); 0: the integer products at every "
+    "row count")
 VMKV_FUSED_LAYERS = EnvVar(
     "VMKV_FUSED_LAYERS", "1",
     "default of `--fused-layers`: CPU engines (float32 with MKL or brgemm linears, bfloat16 "
@@ -118,7 +119,7 @@ GOMP_SPINCOUNT = EnvVar(
 #: every variable, in the order docs/configuration.md lists them
 ALL: tuple[EnvVar, ...] = (
     VMKV_ATTENTION_BACKEND, VMKV_CUDA_GRAPHS, VMKV_COMPILE, VMKV_AUTO_DTYPE, VMKV_QUANTIZATION,
-    VMKV_QUANT_F32_TILE_ROWS, VMKV_FUSED_LAYERS,
+    VMKV_QUANT_I16_TILE_ROWS, VMKV_FUSED_LAYERS,
     VMKV_BACKGROUND_MAPPER,
     VMKV_PROCESS_TUNING,
     VMKV_API_KEY, VMKV_SERVER_DEV_MODE, VMKV_CACHE, VMKV_BUILD_DIR, CUDA_HOME, VMKV_TP_CHECK,
@@ -141,11 +142,11 @@ def auto_dtype() -> str | None:
     return value
 
 
-def quant_f32_tile_rows() -> int:
-    """``VMKV_QUANT_F32_TILE_ROWS`` as a row count (ValueError: not a whole number >= 0)."""
-    value = VMKV_QUANT_F32_TILE_ROWS.get() or ""
+def quant_i16_tile_rows() -> int:
+    """``VMKV_QUANT_I16_TILE_ROWS`` as a row count (ValueError: not a whole number >= 0)."""
+    value = VMKV_QUANT_I16_TILE_ROWS.get() or ""
     if not value.isdigit():
-        raise ValueError(f"VMKV_QUANT_F32_TILE_ROWS must be a whole number >= 0, got {value!r}")
+        raise ValueError(f"VMKV_QUANT_I16_TILE_ROWS must be a whole number >= 0, got {value!r}")
     return int(value)
 
 

@@ -8,12 +8,13 @@ Weights stay in the file's formats (Q8_0, Q4_0, Q4_1, Q5_0; U8 for ``--quantizat
 rearranged at load into groups of 16 output rows (:mod:`vmkv.models.quant.packing`: the same
 bytes); each product quantises its activations per block of 32 to int8 and sums integer dot
 products (AVX-512 VNNI, AVX2, or portable loops: the compiler's choice by ``-march``; every
-build gives the same bits, the tiles apart). From :data:`TILE_ROWS` rows of bfloat16
+build gives the same bits, the bf16 tiles apart). From :data:`TILE_ROWS` rows of bfloat16
 activations on (prefill, wide batches), where oneDNN's bf16 brgemm ukernel runs
 (:mod:`vmkv.kernels.cpu_bf16`), a product instead dequantizes each block of 32 output rows once
 into a bf16 tile and multiplies it on the ukernel; on AVX2 builds (no VNNI), from
-:data:`F32_TILE_ROWS` float32 rows on, each group of 16 output rows is dequantized into a
-float32 tile and multiplied with float32 FMAs (``csrc/cpu_quant_f32_tiles.h``). Built like the
+:data:`I16_TILE_ROWS` rows on, each group of 16 output rows is widened once into int16 codes and
+multiplied with the activations' codes by vpmaddwd (``csrc/cpu_quant_i16_tiles.h``: the same
+results as the integer products, bit for bit). Built like the
 other CPU kernels (g++, cached; :mod:`vmkv.kernels.build`). Where the library cannot be built,
 :func:`available` is False (one warning line says why) and a GGUF model is dequantized at load
 instead (``--quantization none``).
@@ -50,11 +51,11 @@ MAX_SEGMENTS = 3
 #: (AVX512-BF16 builds where the ukernel runs); fewer rows, and float32 activations, keep the
 #: integer products (measured in docs/models.md, "Quantized weights")
 TILE_ROWS = 16
-#: float32 products of at least this many rows take dequantized float32 tiles and float32 FMAs
-#: (AVX2 builds without AVX-512, whose integer products lack VNNI; measured in docs/models.md,
-#: "Quantized weights"); elsewhere, and below it, the integer products. VMKV_QUANT_F32_TILE_ROWS
-#: sets it (0: off), read when the library is built
-F32_TILE_ROWS = int(envs.VMKV_QUANT_F32_TILE_ROWS.default or 0)
+#: products of at least this many rows take the int16 tiles (AVX2 builds without AVX-512, whose
+#: integer products lack VNNI; the same results; measured in docs/models.md, "Quantized
+#: weights"); elsewhere, and below it, the integer products. VMKV_QUANT_I16_TILE_ROWS sets it
+#: (0: off), read when the library is built
+I16_TILE_ROWS = int(envs.VMKV_QUANT_I16_TILE_ROWS.default or 0)
 
 
 class Segment(ctypes.Structure):
@@ -121,10 +122,10 @@ def build(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> ctypes.CDLL 
     lib.vmkv_q_path.restype = ctypes.c_char_p
     lib.vmkv_q_set_ukernel.argtypes = [_PTR, _PTR, _I64]
     lib.vmkv_q_set_ukernel.restype = ctypes.c_int
-    lib.vmkv_q_set_f32_tiles.argtypes = [_I64]
-    lib.vmkv_q_set_f32_tiles.restype = ctypes.c_int
+    lib.vmkv_q_set_i16_tiles.argtypes = [_I64]
+    lib.vmkv_q_set_i16_tiles.restype = ctypes.c_int
     use_ukernel(lib)
-    use_f32_tiles(lib)
+    use_i16_tiles(lib)
     return lib
 
 
@@ -139,13 +140,13 @@ def use_ukernel(lib: ctypes.CDLL, min_rows: int = TILE_ROWS) -> bool:
     return lib.vmkv_q_set_ukernel(brgemm, release, min_rows) == 0 and bool(found) and min_rows > 0
 
 
-def use_f32_tiles(lib: ctypes.CDLL, min_rows: int | None = None) -> bool:
-    """Give ``lib``'s float32 products of ``min_rows`` rows or more (0: none; None:
-    VMKV_QUANT_F32_TILE_ROWS, default :data:`F32_TILE_ROWS`) dequantized float32 tiles and
-    float32 FMAs; whether they now take them (False where the build has none: only AVX2 builds
-    without AVX-512 do)."""
-    rows = envs.quant_f32_tile_rows() if min_rows is None else min_rows
-    return lib.vmkv_q_set_f32_tiles(rows) == 0 and rows > 0
+def use_i16_tiles(lib: ctypes.CDLL, min_rows: int | None = None) -> bool:
+    """Give ``lib``'s products of ``min_rows`` rows or more (0: none; None:
+    VMKV_QUANT_I16_TILE_ROWS, default :data:`I16_TILE_ROWS`) the int16 tiles (the same results
+    as the integer products, faster without VNNI); whether they now take them (False where the
+    build has none: only AVX2 builds without AVX-512 do)."""
+    rows = envs.quant_i16_tile_rows() if min_rows is None else min_rows
+    return lib.vmkv_q_set_i16_tiles(rows) == 0 and rows > 0
 
 
 def _lib() -> ctypes.CDLL | None:

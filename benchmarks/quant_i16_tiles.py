@@ -1,7 +1,7 @@
 """GGUF-block products on float32 activations on an AVX2 CPU: the integer products against the
-dequantized float32 tiles (csrc/cpu_quant_f32_tiles.h), where ``F32_TILE_ROWS`` comes from.
+int16 tiles (csrc/cpu_quant_i16_tiles.h; the same results), where ``I16_TILE_ROWS`` comes from.
 
-    python benchmarks/quant_f32_tiles.py [--rows 1,2,4,8,16,32,64,256] [--json PATH]
+    python benchmarks/quant_i16_tiles.py [--rows 1,2,4,8,16,32,64,256] [--json PATH]
 
 One decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate|up
 3072 x 576, down 576 x 1536) and its tied LM head (49152 x 576), random weights of the model's
@@ -12,8 +12,8 @@ products, per way:
     dense-f32          the float32 weights on the packed linear ``--quantization none`` runs
                        here (``vmkv.models.linear``'s ``auto`` backend)
     <format>-integer   vmkv's integer products on the blocks (activations quantised per block)
-    <format>-tiles     the blocks dequantized into float32 tiles once per group of 16 outputs,
-                       then float32 FMAs (AVX2 builds only)
+    <format>-tiles     the blocks widened into int16 tiles once per group of 16 outputs, then
+                       vpmaddwd on the activations' int16 codes (AVX2 builds only)
 
 Fresh timings in this process, ways interleaved per repetition; the JSON holds every row count's
 medians and the machine. A benchmark, not a test: no assertion on speed.
@@ -68,9 +68,9 @@ def products(shapes: tuple[tuple[int, int], ...], formats: tuple[str, ...]
         for fmt in formats:
             lin = quant_linear(w, fmt)
             ways.setdefault(f"{fmt}-integer", []).append(
-                lambda x, lin=lin: (cpu_quant.use_f32_tiles(lib, 0), lin(x)))
+                lambda x, lin=lin: (cpu_quant.use_i16_tiles(lib, 0), lin(x)))
             ways.setdefault(f"{fmt}-tiles", []).append(
-                lambda x, lin=lin: (cpu_quant.use_f32_tiles(lib, 1), lin(x)))
+                lambda x, lin=lin: (cpu_quant.use_i16_tiles(lib, 1), lin(x)))
     return ways
 
 
@@ -81,8 +81,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     lib = cpu_quant.library()
-    if not cpu_quant.use_f32_tiles(lib, 1):
-        ap.error(f"this build ({cpu_quant.code_path()}) has no float32 tiles: AVX2 builds only")
+    if not cpu_quant.use_i16_tiles(lib, 1):
+        ap.error(f"this build ({cpu_quant.code_path()}) has no int16 tiles: AVX2 builds only")
     results = {}
     with torch.inference_mode():
         for part, shapes, formats in (("layer", LAYER, FORMATS), ("head", HEAD, ("q8_0",))):
@@ -96,10 +96,10 @@ def main() -> int:
                 print(f"{part} rows {m:4d}  " + "  ".join(f"{w} {row[w]:.3f}" for w in ways),
                       flush=True)
             results[part] = {"shapes": shapes, "rows": rows}
-    cpu_quant.use_f32_tiles(lib)
+    cpu_quant.use_i16_tiles(lib)
     flags = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
              if f in cpu_features().split()]
-    result = {"bench": "quant_f32_tiles", "unit": "ms per shape set (median)",
+    result = {"bench": "quant_i16_tiles", "unit": "ms per shape set (median)",
               "threads": torch.get_num_threads(), "code_path": cpu_quant.code_path(),
               "machine": {"cpu": platform.processor() or platform.machine(), "flags": flags,
                           "cpu_count": os.cpu_count(), "torch": torch.__version__},
