@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 import gguf
 import torch
 
-from vmkv.cpu_info import cpu_features
 from vmkv.kernels import cpu_quant
 from vmkv.models.linear import PackedLinear
 from vmkv.models.quant.int8 import int8_tensor
@@ -39,6 +37,7 @@ from vmkv.models.quant.modules import QuantLinear, QuantTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernels import save, time_ways  # noqa: E402
+from kernel_revisions import machine  # noqa: E402
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 HEAD = ((49152, 576),)
@@ -97,12 +96,9 @@ def main() -> int:
                       flush=True)
             results[part] = {"shapes": shapes, "rows": rows}
     cpu_quant.use_i16_tiles(lib)
-    flags = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16")
-             if f in cpu_features().split()]
     result = {"bench": "quant_i16_tiles", "unit": "ms per shape set (median)",
               "threads": torch.get_num_threads(), "code_path": cpu_quant.code_path(),
-              "machine": {"cpu": platform.processor() or platform.machine(), "flags": flags,
-                          "cpu_count": os.cpu_count(), "torch": torch.__version__},
+              "machine": {**machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
               **results}
     return save(result, args.json)
 

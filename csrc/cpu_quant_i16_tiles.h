@@ -182,8 +182,8 @@ inline void block_sums<6>(const int16_t* a, int64_t lda, const int16_t* codes, i
 // for Q4_1), which one row alone would wait on.
 template <Format F, int N>
 inline void block_epilogue(const int32_t* sums, int R, int r, const QActs& qa, int64_t r0,
-                           const I16Tile& tile, int64_t nb, float* c) {
-  const int64_t nbk = qa.blocks();
+                           const I16Tile& tile, float* c) {
+  const int64_t nb = qa.blocks();
   __m256 left[N], right[N];
 #pragma GCC unroll 4
   for (int i = 0; i < N; ++i) left[i] = right[i] = _mm256_setzero_ps();
@@ -192,7 +192,7 @@ inline void block_epilogue(const int32_t* sums, int R, int r, const QActs& qa, i
     const __m256 d1 = _mm256_loadu_ps(tile.d + b * kGroup + 8);
 #pragma GCC unroll 4
     for (int i = 0; i < N; ++i) {
-      const int64_t at = (r0 + r + i) * nbk + b;
+      const int64_t at = (r0 + r + i) * nb + b;
       const int32_t* s = sums + (b * R + r + i) * kGroup;
       const __m256 da = _mm256_set1_ps(qa.d[at]);
       const __m256i dot0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
@@ -213,55 +213,54 @@ inline void block_epilogue(const int32_t* sums, int R, int r, const QActs& qa, i
   }
 }
 
-// c[R][16] = rows r0 .. r0 + R (codes a16, row stride lda; scales in qa) times the tile: every
+// c[R][16] = activation rows r0 .. r0 + R (qa, with its int16 codes) times the tile: every
 // block's int32 sums first (sums: [nb][R][16] scratch), then the rows' block epilogues, three
 // rows at a time.
 template <Format F, int R>
-inline void tile_rows_i16(const int16_t* a16, int64_t lda, const QActs& qa, int64_t r0,
-                          const I16Tile& tile, int64_t nb, int32_t* sums, float* c) {
-  for (int64_t b = 0; b < nb; ++b) {
-    block_sums<R>(a16 + r0 * lda + b * kBlock, lda, tile.codes + b * kBlock * kGroup,
+inline void tile_rows_i16(const QActs& qa, int64_t r0, const I16Tile& tile, int32_t* sums,
+                          float* c) {
+  for (int64_t b = 0; b < qa.blocks(); ++b) {
+    block_sums<R>(qa.codes + r0 * qa.k + b * kBlock, qa.k, tile.codes + b * kBlock * kGroup,
                   sums + b * R * kGroup);
   }
   for (int r = 0; r < R; r += 3) {
     switch (std::min(3, R - r)) {
-      case 1: block_epilogue<F, 1>(sums, R, r, qa, r0, tile, nb, c); break;
-      case 2: block_epilogue<F, 2>(sums, R, r, qa, r0, tile, nb, c); break;
-      default: block_epilogue<F, 3>(sums, R, r, qa, r0, tile, nb, c); break;
+      case 1: block_epilogue<F, 1>(sums, R, r, qa, r0, tile, c); break;
+      case 2: block_epilogue<F, 2>(sums, R, r, qa, r0, tile, c); break;
+      default: block_epilogue<F, 3>(sums, R, r, qa, r0, tile, c); break;
     }
   }
 }
 
-// c[rows][16] = activation rows r0 .. r0 + rows times the tile, kI16Pass rows per pass; sums
-// holds nb * kI16Pass * 16 int32.
+// c[rows][16] = activation rows r0 .. r0 + rows (qa, quantised with its int16 codes) times the
+// tile (the group's K is qa.k), kI16Pass rows per pass; sums holds qa.blocks() * kI16Pass * 16
+// int32.
 template <Format F>
-inline void tile_product_i16(const int16_t* a16, int64_t lda, const QActs& qa, int64_t r0,
-                             int64_t rows, const I16Tile& tile, int64_t nb, int32_t* sums,
-                             float* c) {
+inline void tile_product_i16(const QActs& qa, int64_t r0, int64_t rows, const I16Tile& tile,
+                             int32_t* sums, float* c) {
   static_assert(kI16Pass == 6);
   for (int64_t r = 0; r < rows; r += kI16Pass) {
     float* cr = c + r * kGroup;
     const int64_t at = r0 + r;
     switch (std::min(kI16Pass, rows - r)) {
-      case 1: tile_rows_i16<F, 1>(a16, lda, qa, at, tile, nb, sums, cr); break;
-      case 2: tile_rows_i16<F, 2>(a16, lda, qa, at, tile, nb, sums, cr); break;
-      case 3: tile_rows_i16<F, 3>(a16, lda, qa, at, tile, nb, sums, cr); break;
-      case 4: tile_rows_i16<F, 4>(a16, lda, qa, at, tile, nb, sums, cr); break;
-      case 5: tile_rows_i16<F, 5>(a16, lda, qa, at, tile, nb, sums, cr); break;
-      default: tile_rows_i16<F, 6>(a16, lda, qa, at, tile, nb, sums, cr); break;
+      case 1: tile_rows_i16<F, 1>(qa, at, tile, sums, cr); break;
+      case 2: tile_rows_i16<F, 2>(qa, at, tile, sums, cr); break;
+      case 3: tile_rows_i16<F, 3>(qa, at, tile, sums, cr); break;
+      case 4: tile_rows_i16<F, 4>(qa, at, tile, sums, cr); break;
+      case 5: tile_rows_i16<F, 5>(qa, at, tile, sums, cr); break;
+      default: tile_rows_i16<F, 6>(qa, at, tile, sums, cr); break;
     }
   }
 }
 
-inline bool tile_product_i16(int32_t format, const int16_t* a16, int64_t lda, const QActs& qa,
-                             int64_t r0, int64_t rows, const I16Tile& tile, int64_t nb,
-                             int32_t* sums, float* c) {
+inline bool tile_product_i16(int32_t format, const QActs& qa, int64_t r0, int64_t rows,
+                             const I16Tile& tile, int32_t* sums, float* c) {
   switch (format) {
-    case kQ4_0: tile_product_i16<kQ4_0>(a16, lda, qa, r0, rows, tile, nb, sums, c); return true;
-    case kQ4_1: tile_product_i16<kQ4_1>(a16, lda, qa, r0, rows, tile, nb, sums, c); return true;
-    case kQ5_0: tile_product_i16<kQ5_0>(a16, lda, qa, r0, rows, tile, nb, sums, c); return true;
-    case kQ8_0: tile_product_i16<kQ8_0>(a16, lda, qa, r0, rows, tile, nb, sums, c); return true;
-    case kU8: tile_product_i16<kU8>(a16, lda, qa, r0, rows, tile, nb, sums, c); return true;
+    case kQ4_0: tile_product_i16<kQ4_0>(qa, r0, rows, tile, sums, c); return true;
+    case kQ4_1: tile_product_i16<kQ4_1>(qa, r0, rows, tile, sums, c); return true;
+    case kQ5_0: tile_product_i16<kQ5_0>(qa, r0, rows, tile, sums, c); return true;
+    case kQ8_0: tile_product_i16<kQ8_0>(qa, r0, rows, tile, sums, c); return true;
+    case kU8: tile_product_i16<kU8>(qa, r0, rows, tile, sums, c); return true;
     default: return false;
   }
 }

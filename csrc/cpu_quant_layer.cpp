@@ -370,7 +370,7 @@ struct I16Rows {
     sums.resize(std::max(sums.size(), static_cast<size_t>(nb * quant::kI16Pass * kGroup)));
     const quant::I16Tile tile{tile_codes.data(), scales.data(), scales.data() + nb * kGroup};
     quant::widen_group(ref.format, ref.rec, nb, tile);
-    quant::tile_product_i16(ref.format, a.codes, k, a, m0, rows, tile, nb, sums.data(), c);
+    quant::tile_product_i16(ref.format, a, m0, rows, tile, sums.data(), c);
   }
 };
 #endif
