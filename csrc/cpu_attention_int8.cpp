@@ -33,6 +33,7 @@
 // Built by vmkv/kernels/cpu_attention_int8.py (g++ -O3 -march=native -fopenmp), called through
 // ctypes.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -307,6 +308,70 @@ struct DecodeArgs {
   float scale;
   T* out;
   int64_t out_stride_b, out_stride_h;
+};
+
+// A decode task: request b's KV heads [kvh0, kvh1), its tokens [lo, len).
+struct TaskBounds {
+  int64_t b, lo, len, kvh0, kvh1;
+};
+
+// A decode step's tasks, handed to the threads one at a time (dynamic scheduling), in order.
+class TaskQueue {
+ public:
+  // task i: request i / splits, KV heads span * (i % splits) onwards; window > 0: its last
+  // `window` tokens only
+  TaskQueue(const int32_t* seq_lens, int64_t batch, int64_t splits, int64_t span,
+            int64_t window)
+      : seq_lens_(seq_lens), splits_(splits), span_(span), window_(window),
+        total_(batch * splits) {}
+
+  int64_t total() const { return total_; }
+  int64_t claim() { return next_.fetch_add(1, std::memory_order_relaxed); }
+
+  TaskBounds bounds(int64_t task) const {
+    const int64_t b = task / splits_, kvh0 = task % splits_ * span_, len = seq_lens_[b];
+    return {b, window_ > 0 ? std::max<int64_t>(0, len - window_) : 0, len, kvh0, kvh0 + span_};
+  }
+
+ private:
+  const int32_t* seq_lens_;
+  int64_t splits_, span_, window_, total_;
+  std::atomic<int64_t> next_{0};
+};
+
+// One thread's tasks from the queue, with one task of lookahead for the kernels that use it: a
+// task about to start its last block claims the thread's next task (claim_next), so that block
+// fetches the next task's first rows as it fetches its own next block's. Without it every
+// task's first block waited on memory (at 256 tokens, one block in four). Claimed only then,
+// not a whole task ahead, so the threads still finish within a block of each other.
+class ThreadTasks {
+ public:
+  explicit ThreadTasks(TaskQueue& queue) : queue_(queue) {}
+
+  // The thread's next task (the one claimed ahead, if any), or -1: none left.
+  int64_t take() {
+    const int64_t task = claimed_ >= 0 ? claimed_ : queue_.claim();
+    first_fetched_ = claimed_ >= 0;
+    claimed_ = -1;
+    return task < queue_.total() ? task : -1;
+  }
+
+  // Whether the task just taken had its first block fetched by the task before it.
+  bool first_block_fetched() const { return first_fetched_; }
+
+  // Claims the thread's next task now (once per task): its bounds, or nullptr if none is left.
+  const TaskBounds* claim_next() {
+    if (claimed_ < 0) claimed_ = queue_.claim();
+    if (claimed_ >= queue_.total()) return nullptr;
+    next_ = queue_.bounds(claimed_);
+    return &next_;
+  }
+
+ private:
+  TaskQueue& queue_;
+  int64_t claimed_ = -1;
+  bool first_fetched_ = false;
+  TaskBounds next_{};
 };
 
 // Portable: the task's query heads one at a time, float32 arithmetic on dequantised values.
@@ -590,9 +655,9 @@ void attend_vnni(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
 }
 
 template <typename T, int GROUP, int DIM, bool PAGED>
-void attend_fast(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
-                 int64_t kvh1) {
-  attend_vnni<T, GROUP, DIM / 32, PAGED>(a, b, lo, len, kvh0, kvh1);
+void attend_fast(const DecodeArgs<T>& a, const TaskBounds& task, ThreadTasks& tasks) {
+  (void)tasks;  // (no lookahead: each task fetches its own first block)
+  attend_vnni<T, GROUP, DIM / 32, PAGED>(a, task.b, task.lo, task.len, task.kvh0, task.kvh1);
 }
 #endif
 
@@ -625,9 +690,9 @@ inline __m256 first_lanes(int64_t live) {
 //           int32, added to float32 accumulators (online softmax, float32).
 // Integer sums are exact in any order, so this gives attend_vnni's bits.
 template <typename T, int GROUP, int CH, bool PAGED>
-void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
-                 int64_t kvh1) {
+void attend_avx2(const DecodeArgs<T>& a, const TaskBounds& task, ThreadTasks& tasks) {
   constexpr int64_t dim = 16 * CH;
+  const int64_t b = task.b, lo = task.lo, len = task.len, kvh0 = task.kvh0, kvh1 = task.kvh1;
   constexpr int CV = CH < 4 ? CH : 4;  // 16-dim chunks per value pass: 2 * CV accumulators
   const int64_t span = kvh1 - kvh0;
   alignas(32) float acc[kMaxTaskRows][dim];  // permuted lanes (above), undone at the store
@@ -639,7 +704,7 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
   alignas(32) __m256i pairs[kBlock / 2][2 * CH];  // V rows 2p, 2p + 1 widened, interleaved
   alignas(32) int16_t wq[GROUP][kBlock];  // w of the head's block as int16 (masked: 0 past n)
   int64_t rows[kBlock], next_rows[kBlock];  // byte offsets of the block's rows (and the next's)
-  prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
+  if (!tasks.first_block_fetched()) prefetch_first_block<dim, PAGED>(a, b, lo, len, kvh0, kvh1);
   for (int64_t r = 0; r < span * GROUP; ++r) {  // the query rotated, as int16, a scale per head
     alignas(32) float qr[dim];
     to_cache_basis(a.q + b * a.q_stride_b + (kvh0 * GROUP + r) * a.q_stride_h, dim, qr);
@@ -655,29 +720,35 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  const auto offset_of = [&](int64_t t) {
-    return row_of<PAGED>(b, t, a.starts, a.table, a.table_stride, a.block_size) * a.stride_row;
+  const auto offset_of = [&](int64_t rb, int64_t t) {
+    return row_of<PAGED>(rb, t, a.starts, a.table, a.table_stride, a.block_size) * a.stride_row;
   };
   for (int64_t t0 = lo; t0 < len; t0 += kBlock) {
     const int64_t n = std::min(kBlock, len - t0), vecs_n = (n + 7) / 8, pairs_n = (n + 1) / 2;
-    for (int64_t j = 0; j < n; ++j) rows[j] = offset_of(t0 + j);
+    for (int64_t j = 0; j < n; ++j) rows[j] = offset_of(b, t0 + j);
     for (int64_t j = n; j < vecs_n * 8; ++j) rows[j] = rows[0];  // masked off below
-    const int64_t ahead = std::max<int64_t>(0, std::min(kBlock, len - t0 - kBlock));
-    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = offset_of(t0 + kBlock + j);
+    int64_t ahead = std::max<int64_t>(0, std::min(kBlock, len - t0 - kBlock));
+    for (int64_t j = 0; j < ahead; ++j) next_rows[j] = offset_of(b, t0 + kBlock + j);
+    const TaskBounds* following = t0 + kBlock >= len ? tasks.claim_next() : nullptr;
+    if (following != nullptr) {  // the last block: the thread's next task's first rows, as
+      // offsets from this task's heads (both span the same number of heads)
+      ahead = std::max<int64_t>(0, std::min(kBlock, following->len - following->lo));
+      const int64_t heads = (following->kvh0 - kvh0) * a.stride_head;
+      for (int64_t j = 0; j < ahead; ++j) {
+        next_rows[j] = offset_of(following->b, following->lo + j) + heads;
+      }
+    }
     for (int64_t h = 0; h < span; ++h) {
       const int8_t* k = a.k + (kvh0 + h) * a.stride_head;
       const int8_t* v = a.v + (kvh0 + h) * a.stride_head;
       const int16_t* qh = q16[h * GROUP];
-      for (int64_t j = 0; j < vecs_n * 8; ++j) {
-        std::memcpy(&ks16[j], k + rows[j] + dim, sizeof(uint16_t));
-        std::memcpy(&vs16[j], v + rows[j] + dim, sizeof(uint16_t));
-      }
       for (int64_t u = 0; u < vecs_n; ++u) {  // keys: 8 rows, each widened once
         __m256i part[GROUP][8];
         for (int j = 0; j < 8; ++j) {
           const int64_t t = u * 8 + j;
           const int8_t* kr = k + rows[t];
           if (t < ahead) prefetch_lines<dim + kScaleBytes>(k + next_rows[t]);
+          std::memcpy(&ks16[t], kr + dim, sizeof(uint16_t));  // (its lines are being read)
           __m256i kw[CH];
           for (int c = 0; c < CH; ++c) {
             kw[c] = _mm256_cvtepi8_epi16(
@@ -700,10 +771,6 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
                                         _mm256_set1_ps(qscale[h * GROUP + g])));
         }
       }
-      for (int64_t u = 0; u < vecs_n; ++u) {
-        _mm256_store_ps(vs + 8 * u, _mm256_cvtph_ps(
-            _mm_load_si128(reinterpret_cast<const __m128i*>(vs16 + 8 * u))));
-      }
       for (int64_t p = 0; p < pairs_n; ++p) {  // values: the block's rows widened once
         const int64_t j = 2 * p;
         for (int64_t i = j; i < std::min(j + 2, ahead); ++i) {
@@ -711,6 +778,8 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
         }
         const int8_t* v0 = v + rows[j];
         const int8_t* v1 = j + 1 < n ? v + rows[j + 1] : nullptr;
+        std::memcpy(&vs16[j], v0 + dim, sizeof(uint16_t));
+        std::memcpy(&vs16[j + 1], v + rows[j + 1] + dim, sizeof(uint16_t));  // (row 0 past n)
         for (int c = 0; c < CH; ++c) {
           const __m256i x = _mm256_cvtepi8_epi16(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + 16 * c)));
@@ -721,6 +790,11 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
           pairs[p][2 * c] = _mm256_unpacklo_epi16(x, z);
           pairs[p][2 * c + 1] = _mm256_unpackhi_epi16(x, z);
         }
+      }
+      for (int64_t j = 2 * pairs_n; j < vecs_n * 8; ++j) vs16[j] = vs16[0];  // masked off below
+      for (int64_t u = 0; u < vecs_n; ++u) {
+        _mm256_store_ps(vs + 8 * u, _mm256_cvtph_ps(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(vs16 + 8 * u))));
       }
       for (int g = 0; g < GROUP; ++g) {
         const int64_t r = h * GROUP + g;
@@ -790,15 +864,14 @@ void attend_avx2(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int
 }
 
 template <typename T, int GROUP, int DIM, bool PAGED>
-void attend_fast(const DecodeArgs<T>& a, int64_t b, int64_t lo, int64_t len, int64_t kvh0,
-                 int64_t kvh1) {
-  attend_avx2<T, GROUP, DIM / 16, PAGED>(a, b, lo, len, kvh0, kvh1);
+void attend_fast(const DecodeArgs<T>& a, const TaskBounds& task, ThreadTasks& tasks) {
+  attend_avx2<T, GROUP, DIM / 16, PAGED>(a, task, tasks);
 }
 #endif
 
 #if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
 template <typename T, bool PAGED>
-using TaskFn = void (*)(const DecodeArgs<T>&, int64_t, int64_t, int64_t, int64_t, int64_t);
+using TaskFn = void (*)(const DecodeArgs<T>&, const TaskBounds&, ThreadTasks&);
 
 template <typename T, bool PAGED, int DIM, int... G>
 TaskFn<T, PAGED> fast_of_group(int64_t group, std::integer_sequence<int, G...>) {
@@ -835,28 +908,30 @@ void decode(const DecodeArgs<T>& a, const int32_t* seq_lens, int64_t batch, int6
 #if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
   const TaskFn<T, PAGED> fast = fast_task<T, PAGED>(a.group, a.dim);
 #endif
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < batch * splits; ++task) {
-    const int64_t b = task / splits, kvh0 = task % splits * span, kvh1 = kvh0 + span;
-    const int64_t len = seq_lens[b];
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    if (fresh.k != nullptr && len > 0) {  // quantise the new token's rows of these heads
-      const int64_t row = row_of<PAGED>(b, len - 1, a.starts, a.table, a.table_stride,
-                                        a.block_size);
-      for (int64_t h = kvh0; h < kvh1; ++h) {
-        quantize_row(fresh.k + b * fresh.k_stride_b + h * fresh.k_stride_h, a.dim,
-                     const_cast<int8_t*>(a.k) + row * a.stride_row + h * a.stride_head);
-        quantize_row(fresh.v + b * fresh.v_stride_b + h * fresh.v_stride_h, a.dim,
-                     const_cast<int8_t*>(a.v) + row * a.stride_row + h * a.stride_head);
+  TaskQueue queue(seq_lens, batch, splits, span, window);
+#pragma omp parallel
+  {
+    ThreadTasks tasks(queue);
+    for (int64_t task = tasks.take(); task >= 0; task = tasks.take()) {
+      const TaskBounds t = queue.bounds(task);
+      if (fresh.k != nullptr && t.len > 0) {  // quantise the new token's rows of these heads
+        const int64_t row = row_of<PAGED>(t.b, t.len - 1, a.starts, a.table, a.table_stride,
+                                          a.block_size);
+        for (int64_t h = t.kvh0; h < t.kvh1; ++h) {
+          quantize_row(fresh.k + t.b * fresh.k_stride_b + h * fresh.k_stride_h, a.dim,
+                       const_cast<int8_t*>(a.k) + row * a.stride_row + h * a.stride_head);
+          quantize_row(fresh.v + t.b * fresh.v_stride_b + h * fresh.v_stride_h, a.dim,
+                       const_cast<int8_t*>(a.v) + row * a.stride_row + h * a.stride_head);
+        }
       }
-    }
 #if defined(VMKV_INT8_VNNI) || defined(VMKV_INT8_AVX2)
-    if (fast != nullptr) {
-      fast(a, b, lo, len, kvh0, kvh1);
-      continue;
-    }
+      if (fast != nullptr) {
+        fast(a, t, tasks);
+        continue;
+      }
 #endif
-    attend_portable<T, PAGED>(a, b, lo, len, kvh0, kvh1);
+      attend_portable<T, PAGED>(a, t.b, t.lo, t.len, t.kvh0, t.kvh1);
+    }
   }
 }
 
