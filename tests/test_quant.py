@@ -6,6 +6,9 @@ the same tokens; bad input is refused."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import gguf
 import numpy as np
 import pytest
@@ -271,25 +274,31 @@ def test_teacher_forced_agreement_with_the_dequantized_model(default_model: tupl
         assert abs(np.exp(nll[quant] - nll["none"]) - 1) <= 0.005, (quant, nll)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"),
+                         [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8")])
 def test_both_kv_modes_and_the_decode_loop_give_the_same_tokens(default_model: tuple,
-                                                                dtype: str) -> None:
+                                                                dtype: str,
+                                                                kv_cache_dtype: str) -> None:
     """Greedy through the engine on the file's formats: identical tokens in virtual and paged
     mode, and the one-user decode loop (every layer in one C call) gives the per-layer path's
-    logprobs exactly."""
+    logprobs exactly, over the model's own cache and over an int8 one."""
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time " * 40]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     outs = {}
     for mode, loop in (("virtual", True), ("paged", True), ("paged", False)):
         with LLM(kv_mode=mode, dtype=dtype, quantization="gguf", max_num_batched_tokens=128,
-                 kv_cache_memory=64 << 20) as llm:
+                 kv_cache_memory=64 << 20, kv_cache_dtype=kv_cache_dtype) as llm:
             fused = llm.engine.executor.model_parts().fused
             assert fused is not None and fused.decode_loop is not None
+            counted = (mock.patch.object(fused.decode_loop, "run", wraps=fused.decode_loop.run)
+                       if loop else contextlib.nullcontext())
             if not loop:
                 fused.decode_loop = None
-            res = llm.generate(prompts, params, use_tqdm=False)
+            with counted as run:
+                res = llm.generate(prompts, params, use_tqdm=False)
             outs[mode, loop] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
             assert llm.engine.kv.room.request_ids() == []
+            assert not loop or run.call_count > 0, "no step went through the decode loop"
     assert outs["virtual", True] == outs["paged", True] == outs["paged", False]
 
 

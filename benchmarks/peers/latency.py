@@ -6,8 +6,9 @@ GGUF file, alternated, each run in a fresh process.
         [--lock /tmp/vmkv-bench.lock]
 
 Engines:
-  vmkv-QUANT[-DTYPE]  vmkv's engine in this process's venv (``--quantization QUANT``, ``--dtype
-                      DTYPE``, default auto): the request added to an ``LLMEngine`` and stepped
+  vmkv-QUANT[-DTYPE[-KV]]  vmkv's engine in this process's venv (``--quantization QUANT``,
+                      ``--dtype DTYPE``, ``--kv-cache-dtype KV``, default auto; e.g.
+                      vmkv-gguf-auto-int8): the request added to an ``LLMEngine`` and stepped
                       until done; TTFT = first output token - add, TPOT = (last - first) /
                       (n - 1), both from the engine's own clock (no HTTP)
   llama.cpp           ``llama-server`` of the native build (``llama_cpp.sh``) on the default
@@ -56,14 +57,15 @@ def prompt_ids(n: int, vocab: int = 49152, seed: int = 0) -> list[int]:
 
 
 def run_vmkv(spec: str, prompt: list[int], output_len: int) -> dict[str, Any]:
-    """One request through vmkv's engine (``spec``: vmkv-QUANT[-DTYPE]); the process tuned
+    """One request through vmkv's engine (``spec``: vmkv-QUANT[-DTYPE[-KV]]); the process tuned
     first (:func:`main`)."""
     from vmkv.config import EngineConfig
     from vmkv.engine.llm_engine import LLMEngine
     from vmkv.sampling_params import RequestOutputKind, SamplingParams
 
-    _, quant, *dtype = spec.split("-")
-    config = EngineConfig(quantization=quant, dtype=dtype[0] if dtype else "auto",
+    _, quant, *rest = spec.split("-")
+    dtype, kv = (*rest, "auto", "auto")[:2]
+    config = EngineConfig(quantization=quant, dtype=dtype, kv_cache_dtype=kv,
                           max_model_len=len(prompt) + output_len + 8, max_num_seqs=4,
                           enable_prefix_caching=False)
     engine = LLMEngine(config)

@@ -86,6 +86,15 @@ def _library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
     return lib
 
 
+def decode_address() -> int:
+    """The address of ``vmkv_cpu_decode_attention_int8``, whose C signature is
+    ``vmkv_cpu_decode_attention``'s (for C code that calls the decode kernel itself:
+    vmkv.models.quant.decode_loop); RuntimeError when :func:`available` is False."""
+    address = ctypes.cast(_library().vmkv_cpu_decode_attention_int8, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 def head_dim_of(cache_rows: torch.Tensor) -> int:
     """``head_dim`` of int8 cache rows ``[rows, kv_heads, head_dim + 2]``."""
     if cache_rows.dtype != torch.int8 or cache_rows.stride(-1) != 1:

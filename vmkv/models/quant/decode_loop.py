@@ -11,7 +11,8 @@ layers' two calls per layer plus the attention backend's call cost ~60 us of Pyt
 between (90 transitions a step), which was a third of such a step. Here the only Python of the
 forward is the embedding, the rotary table and building this call's arguments. The attention is
 the backend's own kernel with the backend's own addressing (slot rows or block tables) and
-windows, and the calls are the per-layer path's: the same bits in both KV modes (tested).
+windows (over an int8 cache its int8 kernel, which has the same C signature), and the calls are
+the per-layer path's: the same bits in both KV modes (tested).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from vmkv.attention.cpu import CpuAttentionBackend, CpuStepMetadata
 from vmkv.attention.op import current_step
-from vmkv.kernels import cpu_attention, cpu_quant
+from vmkv.kernels import cpu_attention, cpu_attention_int8, cpu_quant
 
 
 class DecodeLoop:
@@ -42,17 +43,20 @@ class DecodeLoop:
     def takes(self, keep: torch.Tensor | None
               ) -> tuple[CpuAttentionBackend, CpuStepMetadata] | None:
         """The step's backend and metadata when this step can run here: every request decodes
-        through the CPU decode kernel (which stores the new K/V itself), all rows kept."""
+        through a CPU decode kernel (which stores the new K/V itself) over a cache of the
+        model's dtype or int8, all rows kept."""
         step = current_step()
         if keep is not None or step is None or not cpu_attention.available():
             return None
         backend, meta = step
         if not (isinstance(backend, CpuAttentionBackend) and isinstance(meta, CpuStepMetadata)
                 and meta.decode is not None and meta.decode.query_rows is None
-                and meta.prefill is None and backend.kv.spec.dtype == self.dtype
-                and self.dtype in cpu_attention.DTYPE_CODES):
+                and meta.prefill is None and self.dtype in cpu_attention.DTYPE_CODES):
             return None
-        return backend, meta
+        kv_dtype = backend.kv.spec.dtype
+        if kv_dtype == torch.int8 and cpu_attention_int8.available():
+            return backend, meta
+        return (backend, meta) if kv_dtype == self.dtype else None
 
     def _layer_rows(self, backend: CpuAttentionBackend) -> tuple[object, ...]:
         if self._rows is None or self._rows[0] is not backend:
@@ -83,7 +87,8 @@ class DecodeLoop:
                  if rows.block_table is not None else None)
         lens = decode.seq_lens.to(torch.int32).contiguous()
         args = cpu_quant.DecodeArgs(
-            attention=cpu_attention.decode_address(),
+            attention=(cpu_attention_int8.decode_address()
+                       if backend.kv.spec.dtype == torch.int8 else cpu_attention.decode_address()),
             dtype=cpu_attention.DTYPE_CODES[self.dtype], k=ctypes.cast(k_ptrs, ctypes.c_void_p),
             v=ctypes.cast(v_ptrs, ctypes.c_void_p), windows=ctypes.cast(windows, ctypes.c_void_p),
             stride_row=stride_row, stride_head=stride_head,
