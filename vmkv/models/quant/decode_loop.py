@@ -37,7 +37,8 @@ class DecodeLoop:
         self.call = cpu_quant.entry(dtype, "decode_layers")
         self.dtype = dtype
         self.scale = scale
-        #: (backend, K pointers, V pointers, windows, row stride, head stride), per backend
+        #: (backend, K pointers, V pointers, windows, row stride, head stride, the decode
+        #: kernel's address), per backend
         self._rows: tuple[object, ...] | None = None
 
     def takes(self, keep: torch.Tensor | None
@@ -54,9 +55,9 @@ class DecodeLoop:
                 and meta.prefill is None and self.dtype in cpu_attention.DTYPE_CODES):
             return None
         kv_dtype = backend.kv.spec.dtype
-        if kv_dtype == torch.int8 and cpu_attention_int8.available():
+        if kv_dtype == self.dtype or (kv_dtype == torch.int8 and cpu_attention_int8.available()):
             return backend, meta
-        return (backend, meta) if kv_dtype == self.dtype else None
+        return None
 
     def _layer_rows(self, backend: CpuAttentionBackend) -> tuple[object, ...]:
         if self._rows is None or self._rows[0] is not backend:
@@ -67,10 +68,11 @@ class DecodeLoop:
             if any(k.stride() != k0.stride() or v.stride() != k0.stride() for k, v in rows):
                 raise ValueError("the layers' K/V rows do not share one stride")
             ptrs = ctypes.c_void_p * len(rows)
+            kernel = cpu_attention_int8 if k0.dtype == torch.int8 else cpu_attention
             self._rows = (backend, ptrs(*(k.data_ptr() for k, _ in rows)),
                           ptrs(*(v.data_ptr() for _, v in rows)),
                           (ctypes.c_int64 * len(rows))(*backend.windows), k0.stride(0),
-                          k0.stride(1))
+                          k0.stride(1), kernel.decode_address())
         return self._rows
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -80,15 +82,15 @@ class DecodeLoop:
         place to the last layer's output); ``scratch`` = h, qkv, act as the fused body's."""
         decode = meta.decode
         assert decode is not None
-        _, k_ptrs, v_ptrs, windows, stride_row, stride_head = self._layer_rows(backend)
+        _, k_ptrs, v_ptrs, windows, stride_row, stride_head, attention = \
+            self._layer_rows(backend)
         rows = decode.rows
         starts = rows.starts.to(torch.int64).contiguous() if rows.starts is not None else None
         table = (rows.block_table.to(torch.int32).contiguous()
                  if rows.block_table is not None else None)
         lens = decode.seq_lens.to(torch.int32).contiguous()
         args = cpu_quant.DecodeArgs(
-            attention=(cpu_attention_int8.decode_address()
-                       if backend.kv.spec.dtype == torch.int8 else cpu_attention.decode_address()),
+            attention=attention,
             dtype=cpu_attention.DTYPE_CODES[self.dtype], k=ctypes.cast(k_ptrs, ctypes.c_void_p),
             v=ctypes.cast(v_ptrs, ctypes.c_void_p), windows=ctypes.cast(windows, ctypes.c_void_p),
             stride_row=stride_row, stride_head=stride_head,
